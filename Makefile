@@ -1,0 +1,36 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 30000
+SERVE_ARGS ?=
+
+.PHONY: install serve test test-all bench model clean
+
+install: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml requirements.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+model: install
+	$(BIN)/python -m specserve.loading.default_model
+
+serve: install model
+	$(BIN)/python -m specserve.launch_server --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: install model
+	$(BIN)/python -m pytest -q -x tests
+
+test-all: install model
+	SPECSERVE_SLOW=1 $(BIN)/python -m pytest -q tests
+
+bench: install model
+	$(BIN)/python -m specserve.cli bench plain
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,235 @@
+"""Typed configuration: ServerArgs (every CLI flag, SGLang names) and ModelConfig.
+
+ServerArgs is the one bridge between argparse, ``Engine(**kwargs)`` and the
+rest of the code. ModelConfig normalizes foreign metadata (HF config.json,
+GGUF keys) once.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A bad flag or flag combination; the message names the flag."""
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    trust_remote_code: bool = False
+    load_format: str = "auto"
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    decode_log_interval: int = 40
+    random_seed: int | None = None
+    # parallelism
+    tp_size: int = 1
+    # memory and scheduling
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None
+    page_size: int = 1
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    stream_interval: int = 1
+    # attention and compilation
+    attention_backend: str | None = None
+    enable_torch_compile: bool = False
+    disable_cuda_graph: bool = False
+    # speculative decoding (see specserve/spec)
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_draft_model_revision: str | None = None
+    speculative_draft_load_format: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_accept_threshold_single: float = 1.0
+    speculative_accept_threshold_acc: float = 1.0
+    speculative_token_map: str | None = None
+    speculative_attention_mode: str = "prefill"
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 10_000_000
+
+    def __post_init__(self) -> None:
+        self._validate_basic()
+
+    def _validate_basic(self) -> None:
+        if self.tp_size != 1:
+            raise ConfigError("--tp-size: only 1 is supported (no tensor parallelism yet)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be auto, cpu or cuda; got {self.device!r}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError("--mem-fraction-static must be in (0, 1)")
+        if self.page_size < 1:
+            raise ConfigError("--page-size must be >= 1")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ConfigError("--max-running-requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ConfigError("--max-total-tokens must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ConfigError("--chunked-prefill-size must be positive, or -1 to disable")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError("--context-length must be >= 2")
+        if self.port <= 0 or self.port > 65535:
+            raise ConfigError("--port must be in [1, 65535]")
+        if self.schedule_policy != "fcfs":
+            raise ConfigError("--schedule-policy: only 'fcfs' is supported")
+        if self.speculative_algorithm is not None:
+            algo = self.speculative_algorithm.upper()
+            if algo not in SPEC_ALGORITHMS:
+                raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPEC_ALGORITHMS)}; "
+                                  f"got {self.speculative_algorithm!r}")
+            self.speculative_algorithm = algo
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    # ---- argparse bridge -------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=default)
+                continue
+            parser.add_argument(flag, type=_arg_type(f.type), default=default,
+                                metavar=f.name.upper())
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def _arg_type(type_name: Any):
+    text = str(type_name)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder, normalized from HF or GGUF."""
+
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        model_type = cfg.get("model_type", "llama")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=model_type in ("qwen3",) or cfg.get("qk_norm", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            extra={k: cfg[k] for k in ("eagle_config", "draft_vocab_size", "num_nextn_predict_layers",
+                                        "model_type") if k in cfg},
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """An HF-style config.json for this architecture."""
+        return {
+            "architectures": [self.architecture], "model_type": self.extra.get("model_type", "llama"),
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": self.torch_dtype, "hidden_act": "silu",
+        }
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    return dict(scaling, rope_type=kind)
