@@ -151,5 +151,6 @@ class StepOutput:
     finished: bool
     finish_reason: dict[str, Any] | None = None
     text_delta: str = ""           # newly final text (stop strings cut, held back while ambiguous)
+    meta_info: dict[str, Any] = field(default_factory=dict)  # prompt/completion/cached tokens, spec stats
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
