@@ -1,0 +1,188 @@
+"""Pure-Python bookkeeping of the paged KV pool: which pages are free, who holds them.
+
+The pool has ``num_pages`` pages of ``page_size`` token slots each; the slot of
+offset ``o`` in page ``p`` is ``p * page_size + o``. The KV tensors themselves
+live elsewhere (kv_pool.py); this module only hands out and takes back ids.
+
+Pages are reference counted. ``alloc_pages`` gives refcount 1, every holder
+(a running request's ``kv_slots``, the radix cache) adds one with ``incref``
+and drops it with ``decref``; at 0 the page goes back to the free list.
+
+No page is reserved: every page 0..num_pages-1 is allocatable and counted in
+``capacity_tokens``. A padding/dummy slot for padded batches (CUDA graphs), if
+one is needed, belongs to the tensor side (e.g. one extra page past the pool).
+
+Slot-list layout (what ``extend_slots`` produces and the other slot methods
+assume): token ``i`` of a request sits at offset ``i % page_size`` of its page,
+so a request's slots are consecutive within each page and a page holds one
+contiguous run of the request's tokens. This lets every slot-list method work
+in O(pages touched) rather than O(tokens).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class BlockPool:
+    """Free list plus per-page reference counts for a paged KV pool."""
+
+    def __init__(self, num_pages: int, page_size: int = 1) -> None:
+        if num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self._num_pages = num_pages
+        self._page_size = page_size
+        self._refcounts = [0] * num_pages
+        # A stack popped from the end; reversed so fresh pools hand out 0, 1, 2, ...
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._num_pages * self._page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free_pages) * self._page_size
+
+    def refcount(self, page: int) -> int:
+        """Current reference count of ``page`` (0 when free)."""
+        return self._refcounts[page]
+
+    def page_of(self, slot: int) -> int:
+        return slot // self._page_size
+
+    # ------------------------------------------------------------ page level
+    def alloc_pages(self, num: int) -> list[int] | None:
+        """Take ``num`` free pages at refcount 1; None (nothing taken) if too few."""
+        if num < 0:
+            raise ValueError(f"cannot allocate {num} pages")
+        if num > len(self._free_pages):
+            return None
+        if num == 0:
+            return []
+        pages = self._free_pages[-num:]
+        del self._free_pages[-num:]
+        pages.reverse()
+        refcounts = self._refcounts
+        for page in pages:
+            refcounts[page] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        """Add one reference to each (allocated) page."""
+        refcounts = self._refcounts
+        for page in pages:
+            self._check_page(page)
+            if refcounts[page] <= 0:
+                raise ValueError(f"incref of free page {page}")
+            refcounts[page] += 1
+
+    def decref(self, pages: Iterable[int]) -> None:
+        """Drop one reference from each page; a page reaching 0 becomes free."""
+        refcounts = self._refcounts
+        free_pages = self._free_pages
+        for page in pages:
+            self._check_page(page)
+            count = refcounts[page]
+            if count <= 0:
+                raise ValueError(f"decref of free page {page}")
+            refcounts[page] = count - 1
+            if count == 1:
+                free_pages.append(page)
+
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self._num_pages:
+            raise IndexError(f"page {page} out of range [0, {self._num_pages})")
+
+    # ------------------------------------------------------------ slot level
+    def pages_of(self, slots: list[int]) -> list[int]:
+        """Pages touched by a slot list (see the module's layout rule), unique, in order."""
+        page_size = self._page_size
+        if page_size == 1:
+            return list(slots)
+        pages = []
+        index, num_slots = 0, len(slots)
+        while index < num_slots:
+            slot = slots[index]
+            pages.append(slot // page_size)
+            index += page_size - slot % page_size   # jump to the next page's first slot
+        return pages
+
+    def extend_slots(self, slots: list[int], num: int) -> list[int] | None:
+        """Return ``num`` new slots continuing ``slots`` (which is not modified).
+
+        The free offsets of the last, partial page come first, then new pages.
+        Returns None, allocating nothing, if the pool lacks pages. The partial
+        last page must be held by this request alone (refcount 1): other
+        holders see the whole page, so writing into it would corrupt theirs.
+        """
+        if num <= 0:
+            if num < 0:
+                raise ValueError(f"cannot extend by {num} slots")
+            return []
+        page_size = self._page_size
+        if page_size == 1:
+            return self.alloc_pages(num)
+        tail = self._tail_slots(slots, num)
+        num_rest = num - len(tail)
+        pages = self.alloc_pages(-(-num_rest // page_size))
+        if pages is None:
+            return None
+        for page in pages:
+            first = page * page_size
+            tail.extend(range(first, first + min(page_size, num_rest)))
+            num_rest -= page_size
+        return tail
+
+    def _tail_slots(self, slots: list[int], num: int) -> list[int]:
+        """Up to ``num`` slots left in the request's last, partially filled page."""
+        if not slots:
+            return []
+        last = slots[-1]
+        num_room = self._page_size - 1 - last % self._page_size
+        if num_room == 0:
+            return []
+        page = last // self._page_size
+        if self._refcounts[page] != 1:
+            raise ValueError(
+                f"cannot extend into page {page}: shared (refcount {self._refcounts[page]})")
+        return list(range(last + 1, last + 1 + min(num_room, num)))
+
+    def truncate_slots(self, slots: list[int], new_len: int) -> list[int]:
+        """Keep the first ``new_len`` slots, freeing pages only the dropped tail used.
+
+        Truncates ``slots`` IN PLACE (O(dropped tokens), no copy of the kept
+        prefix) and returns that same list. ``new_len >= len(slots)`` is a no-op.
+        """
+        if new_len < 0:
+            raise ValueError(f"new_len must be >= 0, got {new_len}")
+        if new_len >= len(slots):
+            return slots
+        dropped_pages = self.pages_of(slots[new_len:])
+        if new_len > 0 and self.page_of(slots[new_len - 1]) == dropped_pages[0]:
+            dropped_pages = dropped_pages[1:]   # still used by the kept prefix
+        self.decref(dropped_pages)
+        del slots[new_len:]
+        return slots
+
+    def release_slots(self, slots: list[int]) -> None:
+        """Drop the holder's reference on every page the slot list touches (once per page)."""
+        self.decref(self.pages_of(slots))
+
+    def __repr__(self) -> str:
+        return (f"BlockPool(num_pages={self._num_pages}, page_size={self._page_size}, "
+                f"free_pages={self.num_free_pages})")

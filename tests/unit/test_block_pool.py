@@ -1,0 +1,161 @@
+"""BlockPool: page allocation, refcounts, and slot lists across page boundaries."""
+import pytest
+
+from specserve.cache.block_pool import BlockPool
+
+
+def test_sizes_of_a_fresh_pool():
+    pool = BlockPool(num_pages=8, page_size=4)
+    assert pool.page_size == 4
+    assert pool.capacity_tokens == 32
+    assert pool.num_free_pages == 8
+    assert pool.num_free_tokens == 32
+
+
+def test_alloc_and_decref_round_trip():
+    pool = BlockPool(num_pages=4)
+    pages = pool.alloc_pages(3)
+    assert pages == [0, 1, 2]                       # page 0 is a normal page
+    assert pool.num_free_pages == 1
+    assert all(pool.refcount(p) == 1 for p in pages)
+    pool.decref(pages)
+    assert pool.num_free_pages == 4
+    assert pool.alloc_pages(0) == []
+
+
+def test_alloc_too_many_returns_none_and_changes_nothing():
+    pool = BlockPool(num_pages=4)
+    pool.alloc_pages(2)
+    assert pool.alloc_pages(3) is None
+    assert pool.num_free_pages == 2
+    with pytest.raises(ValueError):
+        pool.alloc_pages(-1)
+
+
+def test_shared_page_is_freed_by_its_last_holder():
+    pool = BlockPool(num_pages=2)
+    [page] = pool.alloc_pages(1)
+    pool.incref([page])
+    assert pool.refcount(page) == 2
+    pool.decref([page])
+    assert pool.num_free_pages == 1
+    pool.decref([page])
+    assert pool.num_free_pages == 2
+
+
+def test_refcount_errors():
+    pool = BlockPool(num_pages=2)
+    with pytest.raises(ValueError):
+        pool.decref([0])                            # free page
+    with pytest.raises(ValueError):
+        pool.incref([1])                            # free page
+    with pytest.raises(IndexError):
+        pool.decref([2])
+    with pytest.raises(ValueError):
+        BlockPool(num_pages=0)
+    with pytest.raises(ValueError):
+        BlockPool(num_pages=1, page_size=0)
+
+
+def test_extend_with_page_size_one():
+    pool = BlockPool(num_pages=5)
+    slots = pool.extend_slots([], 3)
+    slots += pool.extend_slots(slots, 2)
+    assert slots == [0, 1, 2, 3, 4]
+    assert pool.extend_slots(slots, 1) is None
+    assert pool.extend_slots(slots, 0) == []
+
+
+def test_extend_fills_partial_page_before_new_pages():
+    pool = BlockPool(num_pages=4, page_size=4)
+    slots = pool.extend_slots([], 3)
+    assert slots == [0, 1, 2]
+    assert pool.num_free_pages == 3
+    more = pool.extend_slots(slots, 6)
+    assert more == [3, 4, 5, 6, 7, 8]
+    assert pool.num_free_pages == 1
+    slots += more
+    assert pool.pages_of(slots) == [0, 1, 2]
+    slots += pool.extend_slots(slots, 3)                # page 2 has room: no new page
+    assert slots[-3:] == [9, 10, 11]
+    assert pool.num_free_pages == 1
+
+
+def test_extend_without_enough_pages_allocates_nothing():
+    pool = BlockPool(num_pages=2, page_size=4)
+    slots = pool.extend_slots([], 3)
+    assert pool.extend_slots(slots, 6) is None           # 1 offset left + 2 new pages
+    assert pool.num_free_pages == 1
+    assert len(pool.extend_slots(slots, 5)) == 5
+
+
+def test_extend_refuses_to_write_into_a_shared_partial_page():
+    pool = BlockPool(num_pages=2, page_size=4)
+    slots = pool.extend_slots([], 2)
+    pool.incref(pool.pages_of(slots))
+    with pytest.raises(ValueError):
+        pool.extend_slots(slots, 1)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_truncate_frees_only_pages_past_the_kept_prefix(page_size):
+    pool = BlockPool(num_pages=12, page_size=page_size)
+    slots = pool.extend_slots([], 10)
+    used_pages = pool.num_pages - pool.num_free_pages
+    kept = pool.truncate_slots(slots, 5)
+    assert kept is slots and len(kept) == 5
+    assert pool.num_pages - pool.num_free_pages == -(-5 // page_size)
+    assert pool.truncate_slots(slots, 7) == slots        # growing is a no-op
+    pool.truncate_slots(slots, 4)                        # page boundary for page_size 4
+    assert pool.num_pages - pool.num_free_pages == -(-4 // page_size)
+    pool.truncate_slots(slots, 0)
+    assert slots == [] and pool.num_free_pages == pool.num_pages
+    assert used_pages == -(-10 // page_size)
+    with pytest.raises(ValueError):
+        pool.truncate_slots(slots, -1)
+
+
+def test_speculative_extend_then_reject_reuses_the_same_page():
+    pool = BlockPool(num_pages=3, page_size=4)
+    slots = pool.extend_slots([], 5)                     # pages 0, 1 (1 used)
+    for accepted in (2, 0, 3):
+        draft = pool.extend_slots(slots, 4)              # fills page 1, then page 2
+        slots += draft
+        pool.truncate_slots(slots, len(slots) - 4 + accepted)
+    assert len(slots) == 5 + 2 + 0 + 3
+    assert pool.pages_of(slots) == [0, 1, 2]
+    assert slots == list(range(10))
+    pool.release_slots(slots)
+    assert pool.num_free_pages == 3
+
+
+def test_truncate_keeps_a_page_shared_with_another_holder():
+    pool = BlockPool(num_pages=4, page_size=2)
+    slots = pool.extend_slots([], 6)
+    pool.incref(pool.pages_of(slots[:4]))                # e.g. a prefix cache
+    pool.truncate_slots(slots, 1)
+    assert pool.num_free_pages == 2                      # page 2 freed, page 1 cached
+    pool.release_slots(slots)
+    pool.decref([0, 1])
+    assert pool.num_free_pages == 4
+
+
+def test_release_and_pages_of_count_each_page_once():
+    pool = BlockPool(num_pages=4, page_size=4)
+    slots = pool.extend_slots([], 9)
+    assert pool.pages_of(slots) == [0, 1, 2]
+    assert pool.pages_of(slots[2:6]) == [0, 1]
+    assert pool.pages_of([]) == []
+    pool.release_slots(slots)
+    assert pool.num_free_pages == 4
+    with pytest.raises(ValueError):
+        pool.release_slots(slots)
+
+
+def test_freed_pages_are_reused():
+    pool = BlockPool(num_pages=2, page_size=2)
+    first = pool.extend_slots([], 4)
+    pool.release_slots(first)
+    second = pool.extend_slots([], 4)
+    assert sorted(pool.pages_of(second)) == [0, 1]
+    assert pool.num_free_pages == 0
