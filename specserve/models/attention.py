@@ -1,0 +1,141 @@
+"""Paged attention behind a small backend interface.
+
+One metadata object serves prefill, decode and tree verification: each request
+in the batch has ``prefix_len`` tokens already in the KV cache and
+``extend_len`` new tokens whose K/V are written at ``out_cache_loc``. The new
+tokens attend to the whole prefix and, among themselves, either causally or
+under a custom ``tree_mask`` (speculative verification).
+
+The torch SDPA backend gathers each request's K/V by slot index and runs one
+``scaled_dot_product_attention`` with an explicit boolean mask. GQA is handled
+by folding the query heads of a group into the query axis, so K/V are never
+repeated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    out_cache_loc: torch.Tensor          # [T] int64 slots for the new tokens' K/V
+    kv_indices: torch.Tensor             # [B, L] int64 slots to read (prefix + new), padded
+    mask: torch.Tensor | None            # [B, 1, g * Q, L] bool (True = attend); None = attend to all
+    query_index: torch.Tensor | None     # [B * Q] rows of the flat [T] input; None if T == B * Q
+    output_index: torch.Tensor | None    # [T] rows of the padded [B * Q] output; None if T == B * Q
+    batch_size: int
+    max_query_len: int
+
+
+class KVCache:
+    """K and V tensors for every layer: [num_layers, num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, num_zeroed_tail: int = 1) -> None:
+        # Left uninitialized (no memory is touched until used): a slot is only ever
+        # read after it was written, except the zeroed tail slots used for padding.
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, num_slots - num_zeroed_tail:].zero_()
+        self.v[:, num_slots - num_zeroed_tail:].zero_()
+        self.num_slots = num_slots
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: torch.Tensor,
+                   out_cache_loc: torch.Tensor, tree_masks: list[torch.Tensor | None] | None = None,
+                   num_kv_groups: int = 1) -> AttentionMetadata:
+    """Metadata for one forward. ``kv_indices`` [B, >= max(prefix+extend)] holds each
+    request's slots in token order (entries past its length are ignored).
+    ``num_kv_groups`` = query heads per KV head; the mask is laid out for it."""
+    device = kv_indices.device
+    batch_size, max_q = len(extend_lens), max(extend_lens)
+    total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    max_len = max(total_lens)
+    kv_indices = kv_indices[:, :max_len]
+    is_dense = all(e == max_q for e in extend_lens)
+    query_index = output_index = None
+    if not is_dense:
+        query_index, output_index = _padding_indices(extend_lens, max_q, device)
+    has_tree = tree_masks is not None and any(m is not None for m in tree_masks)
+    needs_mask = has_tree or max_q > 1 or len(set(total_lens)) > 1
+    mask = None
+    if needs_mask:
+        mask = _causal_mask(prefix_lens, extend_lens, max_q, max_len, device)
+        if has_tree:
+            _apply_tree_masks(mask, prefix_lens, tree_masks)
+        if num_kv_groups > 1:
+            mask = mask.repeat(1, 1, num_kv_groups, 1)                        # [B, 1, g*Q, L]
+    return AttentionMetadata(out_cache_loc, kv_indices, mask, query_index, output_index,
+                             batch_size, max_q)
+
+
+def _padding_indices(extend_lens: list[int], max_q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.tensor([0] + extend_lens[:-1], device=device).cumsum(0)   # [B]
+    lens = torch.tensor(extend_lens, device=device)                           # [B]
+    offs = torch.arange(max_q, device=device)                                 # [Q]
+    valid = offs[None, :] < lens[:, None]                                     # [B, Q]
+    query_index = torch.where(valid, starts[:, None] + offs[None, :], 0).reshape(-1)
+    output_index = valid.reshape(-1).nonzero().squeeze(1)
+    return query_index, output_index
+
+
+def _causal_mask(prefix_lens, extend_lens, max_q, max_len, device) -> torch.Tensor:
+    prefix = torch.tensor(prefix_lens, device=device)[:, None, None]         # [B, 1, 1]
+    extend = torch.tensor(extend_lens, device=device)[:, None, None]
+    q_pos = torch.arange(max_q, device=device)[None, :, None]                 # [1, Q, 1]
+    k_pos = torch.arange(max_len, device=device)[None, None, :]               # [1, 1, L]
+    q_pos = torch.minimum(q_pos, extend - 1)      # padded query rows copy the last real row
+    mask = k_pos <= prefix + q_pos                                            # [B, Q, L]
+    return mask.unsqueeze(1)                                                  # [B, 1, Q, L]
+
+
+def _apply_tree_masks(mask: torch.Tensor, prefix_lens: list[int], tree_masks) -> None:
+    for b, tree_mask in enumerate(tree_masks):
+        if tree_mask is None:
+            continue
+        n, p = tree_mask.shape[0], prefix_lens[b]
+        mask[b, 0, :n, p:p + n] = tree_mask
+
+
+class TorchSDPABackend:
+    """Attention with torch SDPA over gathered paged K/V (CPU and CUDA)."""
+
+    name = "torch_sdpa"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, nh, hd]; k, v: [T, nkv, hd] (new tokens). Returns [T, nh * hd]."""
+        k_layer, v_layer = cache.k[layer_id], cache.v[layer_id]
+        k_layer.index_copy_(0, meta.out_cache_loc, k)
+        v_layer.index_copy_(0, meta.out_cache_loc, v)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv = k.shape[1]
+        group = num_heads // num_kv
+        bsz, max_q = meta.batch_size, meta.max_query_len
+        if meta.query_index is not None:
+            q = q.index_select(0, meta.query_index)
+        # [B, Q, nkv, group, hd] -> [B, nkv, group * Q, hd]
+        q = q.view(bsz, max_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(bsz, num_kv, group * max_q, head_dim)
+        keys = k_layer[meta.kv_indices].transpose(1, 2)                     # [B, nkv, L, hd]
+        values = v_layer[meta.kv_indices].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask)  # [B, nkv, g*Q, hd]
+        out = out.view(bsz, num_kv, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(bsz * max_q, num_heads * head_dim)
+        if meta.output_index is not None:
+            out = out.index_select(0, meta.output_index)
+        return out
+
+
+def get_backend(name: str | None) -> TorchSDPABackend:
+    if name in (None, "torch_sdpa", "torch_native", "sdpa"):
+        return TorchSDPABackend()
+    raise ValueError(f"--attention-backend {name!r} is not available (supported: torch_sdpa)")

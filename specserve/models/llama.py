@@ -1,0 +1,118 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5/3, SmolLM).
+
+Config flags cover the differences: qkv bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), tied embeddings, rope scaling. Q/K/V and gate/up projections are
+fused; ``load_weights`` maps HF checkpoint names onto the fused parameters and
+refuses anything it cannot place.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.models.attention import AttentionMetadata, KVCache, TorchSDPABackend
+from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from specserve.models.weights import StrictLoader
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata, backend: TorchSDPABackend) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)                                             # [T, q + 2kv]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, self.layer_id, cache, meta)         # [T, nh * hd]
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, h: torch.Tensor, cos, sin, cache, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Target model. ``forward`` returns final (normed) hidden states [T, H];
+    ``compute_logits`` turns selected rows into logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary: RotaryEmbedding | None = None
+        self.backend = TorchSDPABackend()
+        self.aux_layer_ids: tuple[int, ...] = ()   # layers whose outputs EAGLE-3 captures
+
+    def init_rotary(self, max_position: int, device) -> None:
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling).to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        h = self.model.embed_tokens(input_ids)                              # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layer_ids:
+                aux.append(h)
+            h = layer(h, cos, sin, cache, meta, self.backend)
+        h = self.model.norm(h)
+        return (h, aux) if self.aux_layer_ids else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)                                         # [T, V]
+
+    # ---- weights --------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        cfg = self.config
+        loader = StrictLoader(self)
+        q, kv, inter = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                        cfg.intermediate_size)
+        loader.add_fused("self_attn.q_proj", "self_attn.qkv_proj", 0, q)
+        loader.add_fused("self_attn.k_proj", "self_attn.qkv_proj", q, kv)
+        loader.add_fused("self_attn.v_proj", "self_attn.qkv_proj", q + kv, kv)
+        loader.add_fused("mlp.gate_proj", "mlp.gate_up_proj", 0, inter)
+        loader.add_fused("mlp.up_proj", "mlp.gate_up_proj", inter, inter)
+        loader.ignore_suffix("rotary_emb.inv_freq")
+        if cfg.tie_word_embeddings:
+            loader.ignore("lm_head.weight")   # HF semantics: tied models ignore a stored head
+        loader.load(named_tensors)

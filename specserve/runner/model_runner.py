@@ -1,0 +1,118 @@
+"""ModelRunner: owns the model, its KV tensors and the request→slot table,
+and turns a list of per-request extends into one forward pass."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from specserve.config import ModelConfig
+from specserve.models.attention import KVCache, build_metadata
+from specserve.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig, device: str) -> torch.dtype:
+    """``auto``: the checkpoint's half-precision dtype (bf16 on CPU), else bfloat16."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    stored = model_config.torch_dtype.replace("torch.", "")
+    if stored == "float16" and device.startswith("cuda"):
+        return torch.float16
+    return torch.bfloat16
+
+
+@dataclass
+class ExtendSpec:
+    """New tokens for one request in one forward pass."""
+
+    row: int                           # the request's row in the req→slot table
+    prefix_len: int                    # tokens already in the KV cache
+    token_ids: list[int]
+    new_slots: list[int]               # KV slots for token_ids, in order
+    positions: list[int] | None = None # rope positions; None = prefix_len + i
+    tree_mask: torch.Tensor | None = None  # [n, n] bool among the new tokens; None = causal
+    num_logits: int = 1                # logits for the last num_logits tokens (0: none)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                 *, dtype: torch.dtype, device: str, max_position: int, num_kv_slots: int,
+                 page_size: int, max_rows: int, max_row_len: int) -> None:
+        self.config, self.dtype, self.device = model_config, dtype, torch.device(device)
+        self.model = build_model(model_config, weights, dtype, device, max_position)
+        cfg = model_config
+        # one extra page at the end: a zeroed dummy slot for padded reads
+        self.dummy_slot = num_kv_slots
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_slots + page_size,
+                                cfg.num_key_value_heads, cfg.head_dim, dtype, self.device,
+                                num_zeroed_tail=page_size)
+        self.req_to_token = torch.full((max_rows, max_row_len), self.dummy_slot,
+                                       dtype=torch.int64, device=self.device)
+        self.num_kv_groups = cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def set_row_slots(self, row: int, start: int, slots: list[int]) -> None:
+        if slots:
+            self.req_to_token[row, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int64,
+                                                                            device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, specs: list[ExtendSpec], return_hidden: bool = False):
+        """One forward over every spec. Returns logits [sum(num_logits), V]
+        (and the final hidden states of those rows when ``return_hidden``)."""
+        input_ids, positions, out_loc, logit_rows = self._flatten(specs)
+        for spec in specs:
+            self.set_row_slots(spec.row, spec.prefix_len, spec.new_slots)
+        rows = torch.tensor([s.row for s in specs], device=self.device)
+        meta = build_metadata([s.prefix_len for s in specs], [len(s.token_ids) for s in specs],
+                              self.req_to_token.index_select(0, rows), out_loc,
+                              [s.tree_mask for s in specs], self.num_kv_groups)
+        out = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = out[0] if isinstance(out, tuple) else out
+        if logit_rows is not None:
+            hidden = hidden.index_select(0, logit_rows)
+        logits = self.model.compute_logits(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def _flatten(self, specs: list[ExtendSpec]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        for spec in specs:
+            n = len(spec.token_ids)
+            start = len(ids)
+            ids.extend(spec.token_ids)
+            pos.extend(spec.positions if spec.positions is not None
+                       else range(spec.prefix_len, spec.prefix_len + n))
+            slots.extend(spec.new_slots)
+            logit_rows.extend(range(start + n - spec.num_logits, start + n))
+        dev = self.device
+        rows = None if len(logit_rows) == len(ids) else torch.tensor(logit_rows, device=dev)
+        return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                torch.tensor(slots, device=dev), rows)
+
+
+def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                device: str, max_position: int) -> LlamaForCausalLM:
+    """Materialize the model directly in ``dtype`` on ``device`` and load weights strictly."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(weights)
+    model.init_rotary(max_position, device)
+    return model.eval()
+
+
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Parameter bytes of a Llama-family model (tied embeddings counted once)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    total = cfg.num_hidden_layers * per_layer + v * h * (1 if cfg.tie_word_embeddings else 2) + h
+    return total * torch.empty((), dtype=dtype).element_size()
