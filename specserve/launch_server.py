@@ -1,0 +1,89 @@
+"""``python -m specserve.launch_server --model-path ... [SGLang flags]``: the HTTP server.
+
+Builds the LLMEngine, wraps it in an AsyncEngine, serves the FastAPI app with
+uvicorn and prints the URL once the socket is listening.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from specserve.config import ConfigError, ServerArgs
+
+logger = logging.getLogger("specserve")
+READY_MESSAGE = "The server is fired up and ready to roll!"
+
+
+def build_parser(prog: str = "python -m specserve.launch_server") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="specserve OpenAI-compatible HTTP server")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_server_args(argv: Sequence[str] | None, parser: argparse.ArgumentParser | None = None) -> ServerArgs:
+    """Parse flags into ServerArgs; a bad flag prints ``error: <message>`` and exits 2."""
+    namespace = (parser or build_parser()).parse_args(argv)
+    try:
+        return ServerArgs.from_cli_args(namespace)
+    except ConfigError as exc:
+        exit_with_config_error(exc)
+
+
+def exit_with_config_error(exc: ConfigError) -> None:
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def server_url(server_args: ServerArgs) -> str:
+    host = server_args.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{server_args.port}"
+
+
+def build_app(server_args: ServerArgs) -> Any:
+    """LLMEngine -> AsyncEngine -> FastAPI app (imports the heavy parts lazily)."""
+    from specserve.engine import LLMEngine
+    from specserve.server.api import create_app
+    from specserve.server.async_engine import AsyncEngine
+
+    try:
+        llm_engine = LLMEngine(server_args)
+    except ConfigError as exc:
+        exit_with_config_error(exc)
+    return create_app(AsyncEngine(llm_engine), server_args)
+
+
+def run_server(server_args: ServerArgs) -> None:
+    import uvicorn
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"{READY_MESSAGE} Serving on {server_url(server_args)}", flush=True)
+
+    app = build_app(server_args)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                            log_level=server_args.log_level.lower(), timeout_keep_alive=5)
+    AnnouncingServer(config).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    server_args = parse_server_args(argv)
+    configure_logging(server_args.log_level)
+    logger.info("server args: %s", {k: v for k, v in vars(server_args).items() if k != "api_key"})
+    run_server(server_args)
+
+
+if __name__ == "__main__":
+    main()
