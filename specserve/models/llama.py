@@ -76,11 +76,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.rotary: RotaryEmbedding | None = None
         self.backend = TorchSDPABackend()
         self.aux_layer_ids: tuple[int, ...] = ()   # layers whose outputs EAGLE-3 captures
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head (call again after moving the module)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_rotary(self, max_position: int, device) -> None:
         cfg = self.config

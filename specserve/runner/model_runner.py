@@ -104,6 +104,7 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
     model.load_weights(weights)
     model.init_rotary(max_position, device)
     return model.eval()

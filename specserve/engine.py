@@ -1,0 +1,333 @@
+"""LLMEngine (the synchronous core: add_request / step / abort) and Engine
+(the offline API: ``Engine(**server_args).generate(...)``)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.cache.block_pool import BlockPool
+from specserve.cache.radix import RadixCache
+from specserve.config import ServerArgs
+from specserve.core import Request, SamplingParams, StepOutput, new_rid
+from specserve.engine_setup import EngineParts, build_engine_parts
+from specserve.runner.model_runner import ExtendSpec
+from specserve.runner.sampler import SamplingBatch, compute_logprobs, sample
+from specserve.scheduler import ScheduledBatch, Scheduler
+from specserve.tokenizer import TextStreamer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenResult:
+    """Tokens a step produced for one request (a decode step may yield several)."""
+
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_requests: int = 0
+    num_finished: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_decode_steps: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+    last_log_time: float = field(default_factory=time.time)
+    tokens_since_log: int = 0
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        """Tokens emitted per verify pass (accepted drafts + 1 bonus), as SGLang reports."""
+        if not self.spec_verify_ct:
+            return 1.0
+        return (self.spec_accepted_tokens + self.spec_verify_ct) / self.spec_verify_ct
+
+
+class LLMEngine:
+    """Synchronous core. Not thread-safe: one thread calls every method."""
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        parts: EngineParts = build_engine_parts(server_args)
+        self.server_args = server_args
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.runner
+        self.pool: BlockPool = parts.pool
+        self.radix: RadixCache = parts.radix
+        self.scheduler: Scheduler = parts.scheduler
+        self.context_len = parts.context_len
+        self.model_path = parts.model_path
+        self.device = parts.device
+        self.spec_worker = parts.spec_worker
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.streamers: dict[str, TextStreamer] = {}
+        self.stats = EngineStats()
+        self._pending_outputs: list[StepOutput] = []
+
+    # ---- requests -----------------------------------------------------------
+    def add_request(self, rid: str | None, input_ids: list[int], sampling: SamplingParams) -> str:
+        rid = rid or new_rid()
+        self.validate_request(input_ids, sampling)
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        req = Request(rid=rid, input_ids=list(input_ids), sampling=sampling,
+                      eos_token_ids=() if sampling.ignore_eos else self.eos_token_ids)
+        if sampling.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self.requests[rid] = req
+        self.streamers[rid] = TextStreamer(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
+        self.scheduler.add(req)
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += len(input_ids)
+        return rid
+
+    def validate_request(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError with a message fit for an HTTP 400."""
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in input_ids):
+            raise ValueError(f"input token ids must be in [0, {vocab})")
+        sampling.validate(vocab)
+        if sampling.n != 1:
+            raise ValueError("n > 1 must be expanded into separate requests before the engine")
+        total = len(input_ids) + sampling.max_new_tokens
+        if len(input_ids) >= self.context_len or total > self.context_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.context_len} tokens. However, you "
+                f"requested {total} tokens ({len(input_ids)} in the prompt, "
+                f"{sampling.max_new_tokens} for the completion). Please reduce the prompt or max_tokens.")
+
+    def abort_request(self, rid: str) -> None:
+        req = self.scheduler.abort(rid)
+        if req is not None:
+            self._pending_outputs.append(self._final_output(req, [], ""))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending_outputs)
+
+    # ---- one step -------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        if batch.is_prefill:
+            results = self._run_prefill(batch)
+        else:
+            results = self._run_decode(batch)
+        outputs.extend(self._postprocess(results))
+        return outputs
+
+    def _run_prefill(self, batch: ScheduledBatch) -> dict[str, TokenResult]:
+        specs = []
+        for item in batch.items:
+            req = item.req
+            start = req.num_computed
+            reaches_end = start + item.num_new_tokens == req.seq_len
+            row = self.scheduler.row_of[req.rid]
+            self.runner.set_row_slots(row, 0, req.kv_slots)   # cached prefix / earlier chunks
+            specs.append(ExtendSpec(row=row, prefix_len=start,
+                                    token_ids=req.all_ids[start:start + item.num_new_tokens],
+                                    new_slots=item.new_slots, num_logits=1 if reaches_end else 0))
+        logits = self.runner.forward(specs)
+        sampled = [item.req for item, spec in zip(batch.items, specs) if spec.num_logits]
+        for item in batch.items:
+            self.scheduler.commit(item.req, item.new_slots)
+        return self._sample_one_each(sampled, logits)
+
+    def _run_decode(self, batch: ScheduledBatch) -> dict[str, TokenResult]:
+        self.stats.num_decode_steps += 1
+        if self.spec_worker is not None:
+            return self.spec_worker.decode_step(self, batch)
+        specs = [ExtendSpec(row=self.scheduler.row_of[item.req.rid], prefix_len=item.req.num_computed,
+                            token_ids=[item.req.all_ids[-1]], new_slots=item.new_slots)
+                 for item in batch.items]
+        logits = self.runner.forward(specs)
+        for item in batch.items:
+            self.scheduler.commit(item.req, item.new_slots)
+        return self._sample_one_each(batch.requests, logits)
+
+    def _sample_one_each(self, reqs: list[Request], logits: torch.Tensor) -> dict[str, TokenResult]:
+        if not reqs:
+            return {}
+        sampling = SamplingBatch.from_requests(reqs, logits.device, self.model_config.vocab_size)
+        tokens = sample(logits, sampling).tolist()
+        results = {req.rid: TokenResult([tok]) for req, tok in zip(reqs, tokens)}
+        self._attach_logprobs(reqs, logits, tokens, results)
+        return results
+
+    def _attach_logprobs(self, reqs, logits, tokens, results) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.sampling.return_logprob]
+        if not rows:
+            return
+        top_n = max(reqs[i].sampling.top_logprobs_num for i in rows)
+        index = torch.tensor(rows, device=logits.device)
+        chosen, top_ids, top_lps = compute_logprobs(logits.index_select(0, index),
+                                                    torch.tensor([tokens[i] for i in rows]), top_n)
+        for k, i in enumerate(rows):
+            n = reqs[i].sampling.top_logprobs_num
+            res = results[reqs[i].rid]
+            res.logprobs = [float(chosen[k])]
+            res.top_logprobs = [list(zip(top_ids[k, :n].tolist(), top_lps[k, :n].tolist()))]
+
+    # ---- after the forward ------------------------------------------------------
+    def _postprocess(self, results: dict[str, TokenResult]) -> list[StepOutput]:
+        outputs = []
+        for rid, result in results.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            outputs.append(self._append_tokens(req, result))
+        self._maybe_log_decode(sum(len(o.new_token_ids) for o in outputs))
+        return outputs
+
+    def _append_tokens(self, req: Request, result: TokenResult) -> StepOutput:
+        """Append tokens one by one, stopping exactly where a stop condition hits."""
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
+        streamer = self.streamers[req.rid]
+        accepted: list[int] = []
+        text = ""
+        stopped_by_string = False
+        for i, token in enumerate(result.token_ids):
+            req.output_ids.append(token)
+            accepted.append(token)
+            if req.sampling.return_logprob and i < len(result.logprobs):
+                req.output_logprobs.append(result.logprobs[i])
+                req.output_top_logprobs.append(result.top_logprobs[i])
+            delta, matched = streamer.feed([token])
+            text += delta
+            if matched is not None:
+                req.finish("stop", matched)
+                stopped_by_string = True
+                break
+            if self._check_stop(req, token):
+                break
+        self.stats.num_generated_tokens += len(accepted)
+        self.stats.tokens_since_log += len(accepted)
+        n = len(accepted)
+        logprobs = req.output_logprobs[-n:] if req.sampling.return_logprob else []
+        top = req.output_top_logprobs[-n:] if req.sampling.return_logprob else []
+        if req.is_finished:
+            if not stopped_by_string:
+                text += streamer.flush()
+            self.scheduler.release(req)
+            return self._final_output(req, accepted, text, logprobs, top)
+        return StepOutput(req.rid, accepted, False, None, text, self._meta(req), logprobs, top)
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        n_out = len(req.output_ids)
+        if n_out >= req.sampling.min_new_tokens and token in req.eos_token_ids:
+            req.finish("stop", token)
+        elif n_out >= req.sampling.min_new_tokens and token in req.sampling.stop_token_ids:
+            req.finish("stop", token)
+        elif n_out >= req.sampling.max_new_tokens or req.seq_len >= self.context_len:
+            req.finish("length")
+        return req.is_finished
+
+    def _final_output(self, req: Request, tokens: list[int], text: str, logprobs=None, top=None,
+                      ) -> StepOutput:
+        self.requests.pop(req.rid, None)
+        self.streamers.pop(req.rid, None)
+        self.stats.num_finished += 1
+        meta = self._meta(req)
+        meta["e2e_latency"] = time.time() - req.arrival_time
+        return StepOutput(req.rid, tokens, True, req.finish_reason, text, meta, logprobs or [], top or [])
+
+    def _meta(self, req: Request) -> dict[str, Any]:
+        meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens, "spec_verify_ct": req.spec_verify_ct}
+        if req.spec_verify_ct:
+            meta["spec_accept_length"] = (req.spec_accepted_tokens + req.spec_verify_ct) / req.spec_verify_ct
+        return meta
+
+    def _maybe_log_decode(self, num_new: int) -> None:
+        interval = self.server_args.decode_log_interval
+        if interval <= 0 or self.stats.num_decode_steps == 0 or self.stats.num_decode_steps % interval:
+            return
+        now = time.time()
+        rate = self.stats.tokens_since_log / max(now - self.stats.last_log_time, 1e-6)
+        usage = self.kv_usage()
+        used = usage["total"] - usage["free"]
+        logger.info("Decode batch. #running-req: %d, #queue-req: %d, #token: %d, token usage: %.2f, "
+                    "gen throughput (token/s): %.2f, accept len: %.2f", len(self.scheduler.running),
+                    len(self.scheduler.waiting), used, used / max(usage["total"], 1), rate,
+                    self.stats.avg_spec_accept_length)
+        self.stats.last_log_time, self.stats.tokens_since_log = now, 0
+
+    # ---- introspection ----------------------------------------------------------
+    def kv_usage(self) -> dict[str, int]:
+        return {"total": self.pool.capacity_tokens, "free": self.pool.num_free_tokens,
+                "cached": self.radix.total_size(), "evictable": self.radix.evictable_size()}
+
+    def flush_cache(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        self.radix.reset()
+        return True
+
+    def get_server_info(self) -> dict[str, Any]:
+        usage = self.kv_usage()
+        return {
+            "model_path": self.model_path, "context_length": self.context_len,
+            "max_total_num_tokens": usage["total"], "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "device": str(self.device), "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting), "kv_usage": usage,
+            "num_requests": self.stats.num_requests, "num_generated_tokens": self.stats.num_generated_tokens,
+            "avg_spec_accept_length": self.stats.avg_spec_accept_length,
+            "speculative_algorithm": self.server_args.speculative_algorithm,
+        }
+
+
+class Engine:
+    """Offline API: ``Engine(**server_args).generate(prompt=..., sampling_params=...)``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        self.engine = LLMEngine(self.server_args)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None) -> dict | list[dict]:
+        prompts, is_batch = _as_batch(prompt, input_ids, self.tokenizer)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        rids = [self.engine.add_request(None, ids, SamplingParams(**(p or {}))) for ids, p in zip(prompts, params)]
+        results = {rid: {"text": "", "output_ids": [], "meta_info": {}} for rid in rids}
+        pending = set(rids)
+        while pending:
+            for out in self.engine.step():
+                if out.rid not in results:
+                    continue
+                res = results[out.rid]
+                res["text"] += out.text_delta
+                res["output_ids"].extend(out.new_token_ids)
+                if out.finished:
+                    res["meta_info"] = dict(out.meta_info, id=out.rid, finish_reason=out.finish_reason)
+                    pending.discard(out.rid)
+        ordered = [results[r] for r in rids]
+        return ordered if is_batch else ordered[0]
+
+    def shutdown(self) -> None:
+        self.engine = None
+
+
+def _as_batch(prompt, input_ids, tokenizer) -> tuple[list[list[int]], bool]:
+    if input_ids is not None:
+        if input_ids and isinstance(input_ids[0], list):
+            return [list(x) for x in input_ids], True
+        return [list(input_ids)], False
+    if prompt is None:
+        raise ValueError("give prompt or input_ids")
+    if isinstance(prompt, list):
+        return [tokenizer.encode(p) for p in prompt], True
+    return [tokenizer.encode(prompt)], False

@@ -1,0 +1,91 @@
+"""Build everything an LLMEngine needs from ServerArgs: model, tokenizer,
+KV budget, pool, prefix cache, scheduler, speculative worker."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specserve.cache.block_pool import BlockPool
+from specserve.cache.radix import RadixCache
+from specserve.config import ConfigError, ModelConfig, ServerArgs
+from specserve.loading.loader import read_checkpoint, resolve_model_path
+from specserve.models.attention import KVCache
+from specserve.runner.memory import plan_kv_budget
+from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype
+from specserve.scheduler import Scheduler
+from specserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CPU_CHUNKED_PREFILL = 512
+CUDA_CHUNKED_PREFILL = 8192
+DEFAULT_MAX_RUNNING = {"cpu": 64, "cuda": 256}
+
+
+@dataclass
+class EngineParts:
+    model_path: str
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    pool: BlockPool
+    radix: RadixCache
+    scheduler: Scheduler
+    context_len: int
+    device: str
+    spec_worker: Any
+
+
+def build_engine_parts(args: ServerArgs) -> EngineParts:
+    device = args.resolved_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available")
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+    model_path = resolve_model_path(args.model_path)
+    cfg, weights = read_checkpoint(model_path)
+    tokenizer = Tokenizer.load(args.tokenizer_path or model_path)
+    dtype = resolve_dtype(args.dtype, cfg, device)
+    context_len = _context_len(args, cfg)
+    spec_width = 1   # KV slots per decode step per request; speculation raises it
+    kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype), bytes_per_token=kv_bpt,
+                            min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
+                            max_total_tokens=args.max_total_tokens)
+    num_pages = budget.num_tokens // args.page_size
+    if num_pages * args.page_size < context_len + spec_width:
+        context_len = num_pages * args.page_size - spec_width
+        if context_len < 2:
+            raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small to serve any request")
+        logger.warning("context length lowered to %d to fit --max-total-tokens", context_len)
+    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING["cuda" if device.startswith("cuda") else "cpu"]
+    runner = ModelRunner(cfg, weights, dtype=dtype, device=device, max_position=context_len + spec_width + 1,
+                         num_kv_slots=num_pages * args.page_size, page_size=args.page_size,
+                         max_rows=max_running, max_row_len=context_len + spec_width + args.page_size)
+    pool = BlockPool(num_pages, args.page_size)
+    radix = RadixCache(pool, disabled=args.disable_radix_cache)
+    scheduler = Scheduler(pool, radix, max_running_requests=max_running,
+                          chunk_size=_chunk_size(args, device), num_rows=max_running, decode_width=spec_width)
+    logger.info("model %s loaded: %s on %s, KV cache %d tokens (%.2f GiB), context %d",
+                model_path, str(dtype).replace("torch.", ""), device, num_pages * args.page_size,
+                num_pages * args.page_size * kv_bpt / 2**30, context_len)
+    return EngineParts(model_path, cfg, tokenizer, runner, pool, radix, scheduler, context_len, device, None)
+
+
+def _context_len(args: ServerArgs, cfg: ModelConfig) -> int:
+    if args.context_length is None:
+        return cfg.max_position_embeddings
+    if args.context_length > cfg.max_position_embeddings:
+        logger.warning("--context-length %d exceeds the model's %d positions", args.context_length,
+                       cfg.max_position_embeddings)
+    return args.context_length
+
+
+def _chunk_size(args: ServerArgs, device: str) -> int:
+    size = args.chunked_prefill_size
+    if size is None:
+        return CUDA_CHUNKED_PREFILL if device.startswith("cuda") else CPU_CHUNKED_PREFILL
+    return args.max_prefill_tokens if size < 0 else size
