@@ -192,6 +192,8 @@ class Scheduler:
 
     def release(self, req: Request) -> None:
         """Cache the request's computed prefix, then drop its KV and row."""
+        if len(req.kv_slots) > req.seq_len:   # KV past a stop inside an accepted draft run
+            self.pool.truncate_slots(req.kv_slots, req.seq_len)
         if req.kv_slots:
             self.radix.insert(req.all_ids[:len(req.kv_slots)], req.kv_slots)
         if req.prefix_node is not None:
