@@ -208,6 +208,47 @@ class ModelConfig:
                                         "model_type") if k in cfg},
         )
 
+    @classmethod
+    def from_gguf(cls, reader: Any) -> "ModelConfig":
+        """From a GGUF file's ``{arch}.*`` metadata; ``reader`` is a ``gguf.GGUFReader`` or a path.
+
+        Weights are dequantized on load, so ``torch_dtype`` is float32. ``eos_token_ids`` starts with
+        ``tokenizer.ggml.eos_token_id``, followed by the other end-of-generation control tokens.
+        """
+        reader = _open_gguf_reader(reader)
+        arch = _gguf_value(reader, "general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ConfigError(f"GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(GGUF_ARCHITECTURES)}")
+
+        def key(name: str, default: Any = None) -> Any:
+            return _gguf_value(reader, f"{arch}.{name}", default)
+
+        tensor_names = {t.name for t in reader.tensors}
+        hidden, heads = key("embedding_length"), key("attention.head_count")
+        eos_id = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=GGUF_ARCHITECTURES[arch],
+            vocab_size=key("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+            hidden_size=hidden,
+            intermediate_size=key("feed_forward_length"),
+            num_hidden_layers=key("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=key("attention.head_count_kv") or heads,
+            head_dim=key("attention.key_length") or hidden // heads,
+            rms_norm_eps=_shortest_float32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=_shortest_float32(key("rope.freq_base", 10000.0)),
+            rope_scaling=_gguf_rope_scaling(reader, arch),
+            max_position_embeddings=key("context_length", 4096),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=end_of_generation_ids(eos_id, _gguf_control_tokens(reader)),
+            torch_dtype="float32",
+            extra={"model_type": arch},
+        )
+
     def to_hf(self) -> dict[str, Any]:
         """An HF-style config.json for this architecture."""
         return {
@@ -233,3 +274,65 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     if kind in (None, "default"):
         return None
     return dict(scaling, rope_type=kind)
+
+
+# ---- GGUF metadata helpers (for ModelConfig.from_gguf and the tokenizer) ---------------------
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# Control tokens that end a generation when present (llama.cpp's "end of generation" set).
+END_OF_GENERATION_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "<|return|>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+)
+
+
+def end_of_generation_ids(eos_token_id: int | None, special_token_ids: dict[str, int]) -> tuple[int, ...]:
+    """The eos id first, then the ids of the known end-of-turn / end-of-text special tokens."""
+    ids = [eos_token_id] if eos_token_id is not None else []
+    for name in END_OF_GENERATION_TOKENS:
+        token_id = special_token_ids.get(name)
+        if token_id is not None and token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)
+
+
+def _open_gguf_reader(reader: Any) -> Any:
+    if isinstance(reader, (str, bytes)) or hasattr(reader, "__fspath__"):
+        from gguf import GGUFReader
+
+        return GGUFReader(reader)
+    return reader
+
+
+def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_control_tokens(reader: Any) -> dict[str, int]:
+    """``{token text: id}`` of the tokens the GGUF marks as control (token_type 3)."""
+    tokens = _gguf_value(reader, "tokenizer.ggml.tokens", [])
+    types = _gguf_value(reader, "tokenizer.ggml.token_type", [])
+    return {tokens[i]: i for i, kind in enumerate(types) if kind == 3}
+
+
+def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+    kind = _gguf_value(reader, f"{arch}.rope.scaling.type")
+    factor = _gguf_value(reader, f"{arch}.rope.scaling.factor")
+    if kind is None and _gguf_value(reader, f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", _gguf_value(reader, f"{arch}.rope.scale_linear")
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 0.0, 1.0)):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _shortest_float32(factor or 1.0)}
+    original = _gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
+def _shortest_float32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))

