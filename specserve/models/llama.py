@@ -35,13 +35,13 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata, backend: TorchSDPABackend) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)                                             # [T, q + 2kv]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], 1)
+        qk = apply_rotary(qk, cos, sin)                                    # q and k heads at once
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, self.layer_id, cache, meta)         # [T, nh * hd]
         return self.o_proj(out)
 
