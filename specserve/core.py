@@ -143,6 +143,15 @@ class Request:
 
 
 @dataclass
+class TokenResult:
+    """Tokens a step produced for one request (a decode step may yield several)."""
+
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass
 class StepOutput:
     """What one engine step produced for one request."""
 

@@ -12,7 +12,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.cache.radix import RadixCache
 from specserve.config import ServerArgs
-from specserve.core import Request, SamplingParams, StepOutput, new_rid
+from specserve.core import Request, SamplingParams, StepOutput, TokenResult, new_rid  # noqa: F401
 from specserve.engine_setup import EngineParts, build_engine_parts
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.sampler import SamplingBatch, compute_logprobs, sample
@@ -20,15 +20,6 @@ from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.tokenizer import TextStreamer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenResult:
-    """Tokens a step produced for one request (a decode step may yield several)."""
-
-    token_ids: list[int]
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -143,6 +134,8 @@ class LLMEngine:
         sampled = [item.req for item, spec in zip(batch.items, specs) if spec.num_logits]
         for item in batch.items:
             self.scheduler.commit(item.req, item.new_slots)
+        if self.spec_worker is not None:   # drafters ingest the prompt (draft KV, n-gram cache)
+            self.spec_worker.on_prefill(self, batch)
         return self._sample_one_each(sampled, logits)
 
     def _run_decode(self, batch: ScheduledBatch) -> dict[str, TokenResult]:
@@ -286,6 +279,7 @@ class LLMEngine:
             "num_requests": self.stats.num_requests, "num_generated_tokens": self.stats.num_generated_tokens,
             "avg_spec_accept_length": self.stats.avg_spec_accept_length,
             "speculative_algorithm": self.server_args.speculative_algorithm,
+            **(self.spec_worker.server_info() if self.spec_worker is not None else {}),
         }
 
 

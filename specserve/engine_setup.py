@@ -16,6 +16,7 @@ from specserve.models.attention import KVCache
 from specserve.runner.memory import plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype
 from specserve.scheduler import Scheduler
+from specserve.spec.params import resolve_spec_params
 from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,13 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     tokenizer = Tokenizer.load(args.tokenizer_path or model_path)
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
-    spec_width = 1   # KV slots per decode step per request; speculation raises it
+    spec = resolve_spec_params(args, cfg)
+    spec_width = spec.num_draft_tokens if spec else 1   # KV slots per decode step per request
+    draft = _read_draft(args, spec, cfg, tokenizer)
     kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
-    budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype), bytes_per_token=kv_bpt,
+    extra_bytes, extra_bpt = _draft_bytes(draft, dtype)
+    budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
+                            bytes_per_token=kv_bpt + extra_bpt,
                             min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
                             max_total_tokens=args.max_total_tokens)
     num_pages = budget.num_tokens // args.page_size
@@ -72,7 +77,43 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     logger.info("model %s loaded: %s on %s, KV cache %d tokens (%.2f GiB), context %d",
                 model_path, str(dtype).replace("torch.", ""), device, num_pages * args.page_size,
                 num_pages * args.page_size * kv_bpt / 2**30, context_len)
-    return EngineParts(model_path, cfg, tokenizer, runner, pool, radix, scheduler, context_len, device, None)
+    spec_worker = None
+    if spec is not None:
+        from specserve.spec.base import ProposerContext, create_spec_worker
+
+        spec_worker = create_spec_worker(ProposerContext(args, spec, cfg, runner, pool, max_running, context_len,
+                                                         draft))
+    return EngineParts(model_path, cfg, tokenizer, runner, pool, radix, scheduler, context_len, device,
+                       spec_worker)
+
+
+def _read_draft(args: ServerArgs, spec, cfg: ModelConfig, tokenizer: Tokenizer):
+    """(config, weights) of the STANDALONE draft model, checked against the target's vocabulary."""
+    if spec is None or spec.algorithm != "STANDALONE":
+        return None
+    path = args.speculative_draft_model_path
+    draft_cfg, weights = read_checkpoint(path)
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ConfigError(f"--speculative-draft-model-path {path}: vocabulary size {draft_cfg.vocab_size} "
+                          f"differs from the target's {cfg.vocab_size}")
+    try:
+        draft_tokenizer = Tokenizer.load(path)
+    except FileNotFoundError:
+        logger.warning("draft model %s has no tokenizer; only its vocabulary size was checked", path)
+        return draft_cfg, weights
+    if draft_tokenizer.backend.get_vocab(with_added_tokens=True) != tokenizer.backend.get_vocab(
+            with_added_tokens=True):
+        raise ConfigError(f"--speculative-draft-model-path {path}: its tokenizer differs from the target's")
+    return draft_cfg, weights
+
+
+def _draft_bytes(draft, dtype: torch.dtype) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) the draft model adds to the memory budget."""
+    if draft is None:
+        return 0, 0
+    dcfg = draft[0]
+    return model_bytes(dcfg, dtype), KVCache.bytes_per_token(dcfg.num_hidden_layers, dcfg.num_key_value_heads,
+                                                             dcfg.head_dim, dtype)
 
 
 def _context_len(args: ServerArgs, cfg: ModelConfig) -> int:

@@ -1,0 +1,210 @@
+"""Proposer base class, the proposer registry (lazy imports) and the SpecWorker.
+
+The engine calls, per step:
+
+* ``SpecWorker.on_prefill(engine, batch)`` after a prefill forward (drafters
+  ingest prompts: NGRAM feeds its cache, a draft model prefills its KV);
+* ``SpecWorker.decode_step(engine, batch)`` instead of a plain decode forward:
+  policy -> proposer.propose -> one target forward over every tree ->
+  verification -> KV compaction -> stats. Returns ``{rid: TokenResult}``.
+
+A proposer sees only its own state (``req.spec_state.proposer``) and the
+engine's public parts (scheduler rows, runner, pool); it imports spec/base,
+tree and verify, never another proposer.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+from specserve.core import TokenResult
+from specserve.spec import target_verify as tv
+from specserve.spec.params import SpecParams
+from specserve.spec.policy import CostCurve, SpecPolicy, measure_cost_curve
+from specserve.spec.state import RequestSpecState, spec_state  # noqa: F401 (re-export)
+from specserve.spec.tree import DraftTree, root_only
+from specserve.spec.verify import AcceptResult, emitted_tokens
+
+if TYPE_CHECKING:
+    from specserve.cache.block_pool import BlockPool
+    from specserve.config import ModelConfig, ServerArgs
+    from specserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PROPOSERS = {
+    "NGRAM": ("specserve.spec.ngram", "NgramProposer"),
+    "STANDALONE": ("specserve.spec.draft_model", "DraftModelProposer"),
+}
+COST_WIDTHS_REQUIRED = (1, 16)
+COST_WIDTHS_OPTIONAL = (4, 64, 256)
+TARGET_COST_BUDGET_S = 1.5
+POLICY_ENV = "SPECSERVE_SPEC_POLICY"   # auto (default) | always
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may use to build itself."""
+
+    server_args: "ServerArgs"
+    params: SpecParams
+    target_config: "ModelConfig"
+    target_runner: "ModelRunner"
+    pool: "BlockPool"
+    num_rows: int                  # scheduler rows (max running requests)
+    context_len: int
+    draft_checkpoint: tuple["ModelConfig", Iterable] | None = None
+
+
+class Proposer:
+    """Drafts one DraftTree per request. Subclasses override ``propose`` and the hooks they need.
+
+    ``is_cheap``: proposing costs next to nothing (host-side lookups), so the worker
+    proposes for every request first and lets the policy see the real tree sizes.
+    """
+
+    is_cheap = False
+
+    def __init__(self, ctx: ProposerContext) -> None:
+        self.ctx, self.params = ctx, ctx.params
+
+    def on_prefill(self, engine, items: list) -> None:
+        """After the target's prefill forward and commit of ``items`` (ScheduledItems)."""
+
+    def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
+        """Trees for ``items`` (root = ``req.all_ids[-1]``), tree i with <= max_nodes[i] nodes."""
+        raise NotImplementedError
+
+    def on_skipped(self, engine, items: list) -> None:
+        """These items decode plainly this step (no ``propose``)."""
+
+    def on_verified(self, engine, items: list, emitted: list[list[int]]) -> None:
+        """Tokens each item will emit this step (before the engine's stop checks)."""
+
+    def draft_cost(self, batch_size: int) -> float:
+        """Estimated seconds of one ``propose`` over ``batch_size`` requests."""
+        return 0.0
+
+    def measure_cost(self) -> None:
+        """Optional startup timing for ``draft_cost``."""
+
+
+def get_proposer_class(algorithm: str) -> type[Proposer]:
+    if algorithm not in PROPOSERS:
+        raise NotImplementedError(f"speculative algorithm {algorithm} has no proposer yet")
+    module, name = PROPOSERS[algorithm]
+    return getattr(importlib.import_module(module), name)
+
+
+def create_spec_worker(ctx: ProposerContext) -> "SpecWorker":
+    proposer = get_proposer_class(ctx.params.algorithm)(ctx)
+    t0 = time.perf_counter()
+    curve = measure_target_cost(ctx)
+    proposer.measure_cost()
+    policy = SpecPolicy(curve, proposer.draft_cost, ctx.params.num_draft_tokens,
+                        is_always=os.environ.get(POLICY_ENV, "auto").lower() == "always")
+    logger.info("speculative %s: S=%d K=%d N=%d; verify cost %s; draft cost(1)=%.1fms; speculation "
+                "on up to batch size %d at accept len %.1f (startup timing %.2fs)", ctx.params.algorithm,
+                ctx.params.num_steps, ctx.params.topk, ctx.params.num_draft_tokens, curve.describe(),
+                proposer.draft_cost(1) * 1e3, policy.max_batch_size(), policy.alpha,
+                time.perf_counter() - t0)
+    return SpecWorker(ctx.params, proposer, policy)
+
+
+def measure_target_cost(ctx: ProposerContext, budget_s: float = TARGET_COST_BUDGET_S) -> CostCurve:
+    """Target forward time at a few widths (causal, no prefix), using row 0 and free slots."""
+    from specserve.runner.model_runner import ExtendSpec
+
+    runner, pool = ctx.target_runner, ctx.pool
+    required = [w for w in COST_WIDTHS_REQUIRED if w <= pool.num_free_tokens]
+    optional = [w for w in COST_WIDTHS_OPTIONAL if w <= pool.num_free_tokens]
+
+    def forward(width: int) -> None:
+        slots = pool.extend_slots([], width)
+        try:
+            runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * width, new_slots=slots,
+                                       num_logits=width)])
+        finally:
+            pool.release_slots(slots)
+
+    return measure_cost_curve(forward, required, optional, budget_s, sync_fn(runner.device))
+
+
+def sync_fn(device: torch.device):
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+class SpecWorker:
+    """Runs speculative decode steps for any proposer (see the module docstring)."""
+
+    def __init__(self, params: SpecParams, proposer: Proposer, policy: SpecPolicy) -> None:
+        self.params, self.proposer, self.policy = params, proposer, policy
+        self.accept_histogram = [0] * params.num_draft_tokens   # [accepted drafts] -> verifies
+
+    def on_prefill(self, engine, batch) -> None:
+        self.proposer.on_prefill(engine, batch.items)
+
+    def decode_step(self, engine, batch) -> dict[str, TokenResult]:
+        items = batch.items
+        trees = self._plan(engine, items)
+        logits = tv.verify_forward(engine, items, trees)
+        results = tv.accept_trees(engine, items, trees, logits, self.params)
+        emitted = [emitted_tokens(tree, res) for tree, res in zip(trees, results)]
+        tv.compact_kv(engine, items, trees, results)
+        self._record(engine, items, trees, results)
+        self.proposer.on_verified(engine, items, emitted)
+        return tv.token_results(engine, items, trees, results, emitted, logits)
+
+    def _plan(self, engine, items: list) -> list[DraftTree]:
+        """One tree per item: the proposer's for the requests the policy picks, root-only otherwise."""
+        caps = [max_tree_nodes(engine, item, self.params.num_draft_tokens) for item in items]
+        states = [spec_state(item.req).policy for item in items]
+        if self.proposer.is_cheap:
+            trees = self.proposer.propose(engine, items, caps)
+            chosen = self.policy.select(states, [t.num_nodes for t in trees])
+            return [t if on else root_only(t.root_token) for t, on in zip(trees, chosen)]
+        chosen = self.policy.select(states, caps)
+        picked = [item for item, on in zip(items, chosen) if on]
+        skipped = [item for item, on in zip(items, chosen) if not on]
+        drafted = iter(self.proposer.propose(engine, picked, [c for c, on in zip(caps, chosen) if on])
+                       if picked else [])
+        if skipped:
+            self.proposer.on_skipped(engine, skipped)
+        return [next(drafted) if on else root_only(item.req.all_ids[-1]) for item, on in zip(items, chosen)]
+
+    def _record(self, engine, items: list, trees: list[DraftTree], results: list[AcceptResult]) -> None:
+        """Stats of the verifies that carried drafts (root-only trees are plain decode steps)."""
+        for item, tree, res in zip(items, trees, results):
+            if tree.is_root_only:
+                continue
+            req = item.req
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += res.accept_len
+            engine.stats.spec_verify_ct += 1
+            engine.stats.spec_accepted_tokens += res.accept_len
+            self.accept_histogram[res.accept_len] += 1
+            self.policy.observe(spec_state(req).policy, res.accept_len + 1)
+
+    def server_info(self) -> dict[str, Any]:
+        p = self.params
+        return {"spec_accept_histogram": list(self.accept_histogram),
+                "speculative_num_steps": p.num_steps, "speculative_eagle_topk": p.topk,
+                "speculative_num_draft_tokens": p.num_draft_tokens,
+                "spec_policy": {"accept_length_ema": self.policy.alpha,
+                                "max_batch_size": self.policy.max_batch_size()}}
+
+
+def max_tree_nodes(engine, item, num_draft_tokens: int) -> int:
+    """Nodes worth verifying: no more than the tokens the request may still emit or place."""
+    req = item.req
+    remaining = req.sampling.max_new_tokens - len(req.output_ids)
+    room = engine.context_len - req.seq_len
+    return max(1, min(num_draft_tokens, len(item.new_slots), remaining, room))

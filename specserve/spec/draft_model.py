@@ -1,0 +1,192 @@
+"""STANDALONE proposer: a small causal LM with the target's vocabulary drafts a
+dynamic tree (``dynamic_tree.py``; K == 1 gives a chain).
+
+Draft KV layout. The draft has its own ModelRunner (its layers, its KV tensors,
+its req->slot rows). Its slot space mirrors the target's: the draft KV of the
+token in target slot ``s`` lives in draft slot ``s``, so prefixes shared through
+the radix cache are shared by the draft too. Past the target's slots lies a
+scratch region, ``K * (S - 1)`` slots per batch position, for the tree nodes of
+the current step; they are overwritten every step (rejected branches cost nothing
+to drop). ``is_valid[s]`` records whether draft slot ``s`` holds the draft KV of
+what the target holds in ``s`` (the target also writes slots the draft has not
+caught up with yet: verified tree nodes, plain-decoded tokens).
+
+Draft rows: K per scheduler row. Row ``K * r`` holds request r's committed
+prefix; during a step, frontier node k of the tree uses row ``K * r + k`` =
+committed prefix + its own ancestors (scratch slots), so every node attends to
+exactly its path with plain causal attention.
+
+Per decode step, for the requests the policy lets speculate:
+
+1. catch-up (draft step 0): one extend over the tokens the draft has not seen
+   (the previous step's accepted tokens and the new root; more after plain
+   steps), writing their draft KV into the target slots they occupy (the root
+   into the step's first new slot); its last logits give the root's children;
+2. S - 1 frontier steps, one forward of K tokens per request each;
+3. rerank the pool to N nodes.
+
+Requests left out of a step are not drafted; the next catch-up covers the gap.
+Prefill: the draft prefills the same chunk (and any cached prefix slots whose
+draft KV is missing) into the same slots.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.core import Request
+from specserve.runner.model_runner import ExtendSpec, ModelRunner
+from specserve.spec import dynamic_tree as dt
+from specserve.spec.base import Proposer, ProposerContext, sync_fn
+from specserve.spec.policy import CostCurve, measure_cost_curve
+from specserve.spec.state import spec_state, tail_ids
+from specserve.spec.tree import DraftTree, truncate_tree
+
+DRAFT_COST_BUDGET_S = 0.4
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, ctx: ProposerContext) -> None:
+        super().__init__(ctx)
+        cfg, weights = ctx.draft_checkpoint
+        self.topk, self.num_steps = ctx.params.topk, ctx.params.num_steps
+        self.num_target_slots = ctx.pool.capacity_tokens
+        self.scratch_per_row = self.topk * (self.num_steps - 1)
+        num_slots = self.num_target_slots + ctx.num_rows * self.scratch_per_row
+        target = ctx.target_runner
+        self.runner = ModelRunner(cfg, weights, dtype=target.dtype, device=str(target.device),
+                                  max_position=ctx.context_len + ctx.params.num_draft_tokens + self.num_steps + 1,
+                                  num_kv_slots=num_slots, page_size=1, max_rows=ctx.num_rows * self.topk,
+                                  max_row_len=ctx.context_len + self.num_steps + 2)
+        self.is_valid = bytearray(self.num_target_slots)
+        self.cost = CostCurve([1], [0.0])
+
+    # ---- prefill ----------------------------------------------------------------------
+    def on_prefill(self, engine, items: list) -> None:
+        specs = []
+        for item in items:
+            req, slots = item.req, item.req.kv_slots
+            start = self._first_invalid(slots, len(slots) - item.num_new_tokens)
+            row = self._base_row(engine, req)
+            self.runner.set_row_slots(row, 0, slots[:start])
+            specs.append(ExtendSpec(row=row, prefix_len=start, token_ids=req.all_ids[start:len(slots)],
+                                    new_slots=slots[start:]))   # (num_logits=0 everywhere breaks the runner)
+            self._mark(slots[start:], True)
+            _state(req).draft_len = len(slots)
+        self.runner.forward(specs)
+
+    def _first_invalid(self, slots: list[int], end: int) -> int:
+        """First position < end whose draft KV is missing (``end`` if none)."""
+        is_valid = self.is_valid
+        for pos in range(end):
+            if not is_valid[slots[pos]]:
+                return pos
+        return end
+
+    # ---- decode -----------------------------------------------------------------------
+    def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
+        root_logits = self._catch_up(engine, items)                                   # [bs, V]
+        pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk)
+        if self.num_steps > 1:
+            pool = self._grow(engine, items, pool, frontier)
+        roots = torch.tensor([item.req.all_ids[-1] for item in items])
+        tokens, parents = (x.cpu() for x in dt.rerank(pool, roots, self.ctx.params.num_draft_tokens))
+        for item in items:
+            self._mark(item.new_slots[1:], False)       # the target writes tree nodes there
+        return [truncate_tree(DraftTree(tokens[b], parents[b]), cap) for b, cap in enumerate(max_nodes)]
+
+    def on_skipped(self, engine, items: list) -> None:
+        for item in items:
+            self._mark(item.new_slots, False)
+
+    def _catch_up(self, engine, items: list) -> torch.Tensor:
+        """Extend over all tokens the draft has not seen, root included. Returns logits [bs, V]."""
+        specs = []
+        for item in items:
+            req, state = item.req, _state(item.req)
+            start = state.draft_len
+            slots = req.kv_slots[start:] + item.new_slots[:1]
+            specs.append(ExtendSpec(row=self._base_row(engine, req), prefix_len=start,
+                                    token_ids=tail_ids(req, req.seq_len - start), new_slots=slots))
+            self._mark(slots, True)
+            state.draft_len = req.seq_len
+        return self.runner.forward(specs)
+
+    def _grow(self, engine, items: list, pool: dt.TreePool, frontier: dt.Frontier) -> dt.TreePool:
+        """Draft steps 1 .. S-1: forward the frontier, expand it by top-K."""
+        bs, k = len(items), self.topk
+        self._copy_base_rows(engine, items)
+        paths = [[[] for _ in range(k)] for _ in range(bs)]      # ancestors' scratch slots per node
+        tokens = frontier.tokens.cpu().tolist()                  # host copy: ExtendSpec takes lists
+        for step in range(1, self.num_steps):
+            logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths))
+            logprobs = torch.log_softmax(logits.float(), dim=-1).view(bs, k, -1)   # [bs, K, V]
+            pool, frontier = dt.expand_step(pool, frontier, logprobs, k)
+            if step + 1 < self.num_steps:
+                tokens, parent_slot = torch.stack([frontier.tokens, frontier.parent_slot]).cpu().tolist()
+                paths = [[paths[b][p] + [self._scratch(b, step, p)] for p in parent_slot[b]]
+                         for b in range(bs)]
+        return pool
+
+    def _frontier_specs(self, engine, items: list, step: int, tokens: list[list[int]],
+                        paths: list[list[list[int]]]) -> list[ExtendSpec]:
+        specs = []
+        for b, item in enumerate(items):
+            base, committed = self._base_row(engine, item.req), item.req.seq_len
+            for k in range(self.topk):
+                self.runner.set_row_slots(base + k, committed, paths[b][k])
+                specs.append(ExtendSpec(row=base + k, prefix_len=committed + step - 1, token_ids=[tokens[b][k]],
+                                        new_slots=[self._scratch(b, step, k)]))
+        return specs
+
+    def _copy_base_rows(self, engine, items: list) -> None:
+        """Rows K*r+1 .. K*r+K-1 get row K*r's committed prefix (one device copy)."""
+        if self.topk == 1:
+            return
+        bases = [self._base_row(engine, item.req) for item in items]
+        width = max(item.req.seq_len for item in items)
+        table = self.runner.req_to_token
+        dst = torch.tensor([b + k for b in bases for k in range(1, self.topk)], device=table.device)
+        src = torch.tensor([b for b in bases for _ in range(1, self.topk)], device=table.device)
+        table[dst, :width] = table[src, :width]
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _base_row(self, engine, req: Request) -> int:
+        return engine.scheduler.row_of[req.rid] * self.topk
+
+    def _scratch(self, batch_index: int, step: int, k: int) -> int:
+        return self.num_target_slots + batch_index * self.scratch_per_row + (step - 1) * self.topk + k
+
+    def _mark(self, slots: list[int], value: bool) -> None:
+        flag = 1 if value else 0
+        is_valid = self.is_valid
+        for slot in slots:
+            if slot < self.num_target_slots:
+                is_valid[slot] = flag
+
+    # ---- cost -------------------------------------------------------------------------
+    def measure_cost(self) -> None:
+        def forward(width: int) -> None:
+            slots = list(range(width))          # target-mirror slots, nothing valid is overwritten...
+            self.runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * width, new_slots=slots)])
+            self._mark(slots, False)            # ...because they are marked stale afterwards
+
+        self.cost = measure_cost_curve(forward, [1, 16], [4, 64], DRAFT_COST_BUDGET_S, sync_fn(self.runner.device))
+
+    def draft_cost(self, batch_size: int) -> float:
+        """Catch-up (about 2 tokens per request) plus S - 1 frontier forwards of K tokens each."""
+        return self.cost(2 * batch_size) + (self.num_steps - 1) * self.cost(batch_size * self.topk)
+
+
+class _DraftState:
+    __slots__ = ("draft_len",)
+
+    def __init__(self) -> None:
+        self.draft_len = 0     # tokens of req.all_ids whose draft KV is in the request's base row
+
+
+def _state(req: Request) -> _DraftState:
+    state = spec_state(req)
+    if state.proposer is None:
+        state.proposer = _DraftState()
+    return state.proposer
+

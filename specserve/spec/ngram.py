@@ -1,0 +1,83 @@
+"""NGRAM proposer: drafts continuations of the context's tail from one n-gram cache
+shared by every request (prompts and generated tokens feed it).
+
+* prefill: once a request's prompt is fully computed, the prompt is fed;
+* each step: tokens the request gained since the last feed are fed, then the
+  tail (``--speculative-ngram-max-match-window-size`` tokens) is matched;
+  BFS or PROB trees (``--speculative-ngram-match-type``) of <= N nodes;
+* after verification: the emitted tokens are fed right away, so other requests
+  see them in the same step order.
+"""
+from __future__ import annotations
+
+import time
+
+from specserve.core import Request
+from specserve.spec.base import Proposer, ProposerContext
+from specserve.spec.ngram_cache import NgramCache
+from specserve.spec.state import spec_state, tail_ids
+from specserve.spec.tree import DraftTree
+
+COST_EMA_WEIGHT = 0.1
+
+
+class NgramProposer(Proposer):
+    is_cheap = True
+
+    def __init__(self, ctx: ProposerContext) -> None:
+        super().__init__(ctx)
+        self.cache = NgramCache.from_server_args(ctx.server_args)
+        self.window = ctx.server_args.speculative_ngram_max_match_window_size
+        self.seconds_per_request = 0.0
+
+    def on_prefill(self, engine, items: list) -> None:
+        for item in items:
+            if not item.req.is_prefilling:
+                self._feed(item.req)
+
+    def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
+        t0 = time.perf_counter()
+        trees = []
+        for item, cap in zip(items, max_nodes):
+            req = item.req
+            self._feed(req)
+            trees.append(self.cache.match(tail_ids(req, self.window), num_draft_tokens=cap))
+        per_request = (time.perf_counter() - t0) / max(len(items), 1)
+        self.seconds_per_request += COST_EMA_WEIGHT * (per_request - self.seconds_per_request)
+        return trees
+
+    def on_verified(self, engine, items: list, emitted: list[list[int]]) -> None:
+        for item, tokens in zip(items, emitted):
+            req = item.req
+            self._feed(req)
+            context = tail_ids(req, self.cache.max_depth) + tokens
+            self.cache.insert_incremental(context, len(tokens))
+            _state(req).num_fed = req.seq_len + len(tokens)
+
+    def draft_cost(self, batch_size: int) -> float:
+        return batch_size * self.seconds_per_request
+
+    def _feed(self, req: Request) -> None:
+        """Feed the tokens of ``req`` not fed yet (the whole prompt the first time)."""
+        state = _state(req)
+        num_new = req.seq_len - state.num_fed
+        if num_new <= 0:
+            return
+        context = tail_ids(req, num_new + self.cache.max_depth)
+        self.cache.insert_incremental(context, num_new)
+        state.num_fed = req.seq_len
+
+
+class _NgramState:
+    __slots__ = ("num_fed",)
+
+    def __init__(self) -> None:
+        self.num_fed = 0      # tokens of req.all_ids already fed to the cache
+
+
+def _state(req: Request) -> _NgramState:
+    state = spec_state(req)
+    if state.proposer is None:
+        state.proposer = _NgramState()
+    return state.proposer
+

@@ -1,0 +1,180 @@
+"""When to speculate: a verify-width cost curve measured at startup, and a per-step choice
+of which requests speculate.
+
+Speculation pays while the tokens a verify emits outweigh what the wider forward
+costs. ``c(w)`` is the target forward time at ``w`` new tokens (``CostCurve``:
+measured at startup on a tiny timing run, piecewise linear, extrapolated
+linearly). Each step, for ``bs`` decoding requests:
+
+* every request r has an estimated accept length ``alpha_r`` (tokens emitted per
+  verify: EMA over its own verifies; the global EMA until it has one) and a tree
+  size ``m_r`` (N, or for NGRAM the size of the tree it actually matched);
+* requests are sorted by ``alpha_r``; for every prefix of that order the step's
+  throughput is ``(bs + sum(alpha_r - 1)) / (c(bs + sum(m_r - 1)) + d(k))`` with
+  ``d(k)`` the proposer's drafting cost for k requests; the best prefix wins if
+  it beats plain decoding (``bs / c(bs)``) by MARGIN, else nobody speculates;
+* a request left out for ``backoff_r`` steps may be probed (one per step) so its
+  ``alpha_r`` cannot go stale; its backoff doubles (1, 2, 4 ... PROBE_MAX_BACKOFF),
+  and a probe happens only if an all-accepted tree could pay at this batch size.
+
+So a busy server (large bs, where ``c`` grows with width) falls back to plain
+decoding, and requests whose drafts do not get accepted stop speculating, while
+copy-heavy requests keep it. Decisions that flip are logged.
+
+``SPECSERVE_SPEC_POLICY=always`` in the environment makes every request speculate
+every step (accept-length measurements, tests); the default is ``auto``.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+MARGIN = 0.05
+PROBE_MAX_BACKOFF = 64
+REQUEST_EMA_WEIGHT = 0.3
+GLOBAL_EMA_WEIGHT = 0.05
+PRIOR_ALPHA = 2.0
+
+
+@dataclass
+class CostCurve:
+    """Seconds of one forward at ``widths[i]`` new tokens; piecewise linear in between."""
+
+    widths: list[int]
+    seconds: list[float]
+
+    def __call__(self, width: float) -> float:
+        ws, ts = self.widths, self.seconds
+        if len(ws) == 1:                       # one point: assume cost proportional (pessimistic)
+            return ts[0] * max(width, ws[0]) / ws[0]
+        if width <= ws[0]:
+            return ts[0]
+        i = min(bisect.bisect_left(ws, width), len(ws) - 1)
+        slope = max((ts[i] - ts[i - 1]) / (ws[i] - ws[i - 1]), 0.0)
+        return ts[i - 1] + slope * (width - ws[i - 1])
+
+    def describe(self) -> str:
+        return ", ".join(f"{w}:{t * 1e3:.1f}ms" for w, t in zip(self.widths, self.seconds))
+
+
+def measure_cost_curve(forward: Callable[[int], None], required: Sequence[int], optional: Sequence[int],
+                       budget_s: float, sync: Callable[[], None] = lambda: None) -> CostCurve:
+    """Time ``forward(w)`` (min of two runs) for the required widths, then optional ones
+    while the time budget lasts (a width is skipped if its predicted time would overrun)."""
+    start = time.perf_counter()
+    forward(required[0])          # warm-up
+    sync()
+    timed: dict[int, float] = {}
+    for width in list(required) + list(optional):
+        if width not in required:
+            predicted = 2 * CostCurve(sorted(timed), [timed[w] for w in sorted(timed)])(width)
+            if time.perf_counter() - start + predicted > budget_s:
+                continue
+        runs = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            forward(width)
+            sync()
+            runs.append(time.perf_counter() - t0)
+        timed[width] = min(runs)
+    widths = sorted(timed)
+    return CostCurve(widths, _monotone([timed[w] for w in widths]))
+
+
+def _monotone(seconds: list[float]) -> list[float]:
+    """Timing noise aside, a wider forward never costs less: take running maxima."""
+    out, best = [], 0.0
+    for t in seconds:
+        best = max(best, t)
+        out.append(best)
+    return out
+
+
+@dataclass
+class RequestPolicyState:
+    alpha: float | None = None      # EMA of tokens per verify (None: never verified)
+    num_skipped: int = 0            # consecutive steps without speculation
+    backoff: int = 0                # skipped steps before the next probe
+
+
+class SpecPolicy:
+    """Chooses, per step, which requests speculate (see the module docstring)."""
+
+    def __init__(self, target_cost: CostCurve, draft_cost: Callable[[int], float],
+                 num_draft_tokens: int, *, is_always: bool = False) -> None:
+        self.target_cost, self.draft_cost = target_cost, draft_cost
+        self.is_always = is_always      # speculate for every request (tests, accept-length benchmarks)
+        self.num_draft_tokens = num_draft_tokens
+        self.alpha = min(PRIOR_ALPHA, float(num_draft_tokens))
+        self.last_state: str | None = None
+
+    def select(self, states: list[RequestPolicyState], nodes: list[int]) -> list[bool]:
+        """Which of the step's requests speculate; ``nodes[i]`` = tree size if they do."""
+        bs = len(states)
+        if self.is_always:
+            return [n > 1 for n in nodes]
+        alphas = [s.alpha if s.alpha is not None else self.alpha for s in states]
+        order = sorted((i for i in range(bs) if nodes[i] > 1), key=lambda i: -alphas[i])
+        k = self._best_prefix(bs, order, alphas, nodes)
+        chosen = [False] * bs
+        for i in order[:k]:
+            chosen[i] = True
+        self._probe(states, nodes, chosen)
+        for state, is_on in zip(states, chosen):
+            state.num_skipped = 0 if is_on else state.num_skipped + 1
+        self._log_change(bs, sum(chosen))
+        return chosen
+
+    def _best_prefix(self, bs: int, order: list[int], alphas: list[float], nodes: list[int]) -> int:
+        plain = bs / self.target_cost(bs)
+        best_k, best = 0, plain * (1.0 + MARGIN)
+        tokens, width = float(bs), bs
+        for k, i in enumerate(order, start=1):
+            tokens += alphas[i] - 1.0
+            width += nodes[i] - 1
+            rate = tokens / (self.target_cost(width) + self.draft_cost(k))
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def _probe(self, states: list[RequestPolicyState], nodes: list[int], chosen: list[bool]) -> None:
+        """Let the longest-skipped due request speculate if an all-accepted tree could pay."""
+        due = [i for i, s in enumerate(states) if not chosen[i] and nodes[i] > 1 and s.num_skipped >= s.backoff]
+        if not due:
+            return
+        i = max(due, key=lambda j: states[j].num_skipped)
+        bs, extra = len(states), sum(nodes[j] - 1 for j in range(len(states)) if chosen[j])
+        optimistic = (bs + nodes[i] - 1) / (self.target_cost(bs + extra + nodes[i] - 1)
+                                            + self.draft_cost(sum(chosen) + 1))
+        if optimistic > bs / self.target_cost(bs):
+            chosen[i] = True
+            states[i].backoff = min(max(1, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
+
+    def observe(self, state: RequestPolicyState, tokens: int) -> None:
+        """One verify of a tree with drafts emitted ``tokens`` (accepted + bonus)."""
+        state.alpha = float(tokens) if state.alpha is None else (
+            state.alpha + REQUEST_EMA_WEIGHT * (tokens - state.alpha))
+        self.alpha += GLOBAL_EMA_WEIGHT * (tokens - self.alpha)
+
+    def max_batch_size(self, alpha: float | None = None, nodes: int | None = None, limit: int = 512) -> int:
+        """Largest batch size at which all requests speculate, for ``alpha`` (0: never)."""
+        alpha = self.alpha if alpha is None else alpha
+        nodes = nodes or self.num_draft_tokens
+        best = 0
+        for bs in range(1, limit + 1):
+            spec = bs * alpha / (self.target_cost(bs * nodes) + self.draft_cost(bs))
+            if spec > (1.0 + MARGIN) * bs / self.target_cost(bs):
+                best = bs
+        return best
+
+    def _log_change(self, bs: int, num_on: int) -> None:
+        state = "all" if num_on == bs else ("none" if num_on == 0 else "some")
+        if state != self.last_state:
+            logger.info("speculation: %s of %d requests speculate (%d; global accept len %.2f)",
+                        state, bs, num_on, self.alpha)
+            self.last_state = state
