@@ -1,0 +1,121 @@
+"""Speculative flags: auto-choice of S/K/N, partial settings, impossible shapes, thresholds."""
+from __future__ import annotations
+
+import pytest
+
+from specserve.config import ConfigError, ModelConfig, ServerArgs
+from specserve.spec.params import resolve_spec_params
+
+LLAMA = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+QWEN = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _resolve(cfg=LLAMA, **kwargs):
+    return resolve_spec_params(ServerArgs(**kwargs), cfg)
+
+
+def _shape(p):
+    return p.num_steps, p.topk, p.num_draft_tokens
+
+
+def test_off_without_algorithm():
+    assert _resolve() is None
+
+
+@pytest.mark.parametrize("flag", ["speculative_num_steps", "speculative_eagle_topk",
+                                  "speculative_num_draft_tokens"])
+def test_shape_flag_without_algorithm_is_an_error(flag):
+    with pytest.raises(ConfigError, match="without --speculative-algorithm"):
+        _resolve(**{flag: 2})
+
+
+def test_auto_choice_standalone_and_ngram():
+    p = _resolve(speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
+    assert (p.algorithm, _shape(p)) == ("STANDALONE", (3, 1, 4))
+    p = _resolve(speculative_algorithm="NGRAM")
+    assert p.num_draft_tokens == 12
+
+
+def test_ngram_uses_only_n():
+    assert _resolve(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8).num_draft_tokens == 8
+    p = _resolve(speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_eagle_topk=2)
+    assert p.num_draft_tokens == 12          # S and K ignored (warning)
+    with pytest.raises(ConfigError, match="--speculative-num-draft-tokens must be >= 2"):
+        _resolve(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1)
+    with pytest.raises(ConfigError, match="--speculative-ngram-min-match-window-size"):
+        _resolve(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=13)
+
+
+@pytest.mark.parametrize("given", [
+    {"speculative_num_steps": 3},
+    {"speculative_eagle_topk": 2},
+    {"speculative_num_draft_tokens": 4},
+    {"speculative_num_steps": 3, "speculative_eagle_topk": 1},
+])
+def test_partial_shape_is_an_error_naming_missing_flags(given):
+    with pytest.raises(ConfigError) as err:
+        _resolve(speculative_algorithm="STANDALONE", speculative_draft_model_path="d", **given)
+    message = str(err.value)
+    for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        if name not in given:
+            assert "--" + name.replace("_", "-") in message
+
+
+def _standalone(s, k, n):
+    return _resolve(speculative_algorithm="STANDALONE", speculative_draft_model_path="d",
+                    speculative_num_steps=s, speculative_eagle_topk=k, speculative_num_draft_tokens=n)
+
+
+def test_topk_one_forces_chain():
+    assert _shape(_standalone(4, 1, 9)) == (4, 1, 5)
+    assert _shape(_standalone(4, 1, 5)) == (4, 1, 5)
+
+
+def test_tree_shapes():
+    assert _shape(_standalone(3, 2, 3)) == (3, 2, 3)       # K > 1 with N == S + 1 is fine
+    assert _shape(_standalone(2, 2, 7)) == (2, 2, 7)       # pool: 2 + 1*4 = 6 candidates
+    with pytest.raises(ConfigError, match="at most 6 candidates"):
+        _standalone(2, 2, 8)
+    assert _shape(_standalone(1, 3, 4)) == (1, 3, 4)
+    with pytest.raises(ConfigError, match="--speculative-num-draft-tokens 5 is too large"):
+        _standalone(1, 3, 5)
+
+
+@pytest.mark.parametrize("s, k, n, flag", [(0, 1, 2, "--speculative-num-steps"),
+                                           (2, 0, 3, "--speculative-eagle-topk"),
+                                           (2, 2, 1, "--speculative-num-draft-tokens")])
+def test_bad_values_name_their_flag(s, k, n, flag):
+    with pytest.raises(ConfigError, match=flag):
+        _standalone(s, k, n)
+
+
+def test_standalone_requires_draft_path():
+    with pytest.raises(ConfigError, match="requires --speculative-draft-model-path"):
+        _resolve(speculative_algorithm="STANDALONE")
+
+
+def test_eagle_auto_choice_then_not_implemented():
+    for algo in ("EAGLE", "NEXTN", "EAGLE3"):
+        with pytest.raises(ConfigError, match="not implemented yet"):
+            _resolve(speculative_algorithm=algo)
+    from specserve.spec.params import auto_choose
+    assert auto_choose("EAGLE", LLAMA.architecture) == (5, 4, 8)
+    assert auto_choose("EAGLE3", QWEN.architecture) == (3, 1, 4)
+    with pytest.raises(ConfigError, match="too large"):   # shape errors come first
+        _resolve(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=2,
+                 speculative_num_draft_tokens=9)
+
+
+def test_thresholds():
+    p = _resolve(speculative_algorithm="NGRAM", speculative_accept_threshold_single=0.5,
+                 speculative_accept_threshold_acc=0.0)
+    assert p.threshold_single == 0.5 and 0.0 < p.threshold_acc < 1e-6
+    for flag in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+        with pytest.raises(ConfigError, match="--" + flag.replace("_", "-")):
+            _resolve(speculative_algorithm="NGRAM", **{flag: 1.5})
+
+
+def test_lowercase_algorithm_is_accepted():
+    assert _resolve(speculative_algorithm="ngram").algorithm == "NGRAM"

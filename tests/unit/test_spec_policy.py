@@ -1,0 +1,101 @@
+"""The speculation policy on synthetic cost curves."""
+from __future__ import annotations
+
+from specserve.spec.policy import (PROBE_MAX_BACKOFF, CostCurve, RequestPolicyState, SpecPolicy,
+                                   measure_cost_curve)
+
+# memory-bound up to 16 tokens, then linear (a GPU-like curve, in ms)
+FLAT_THEN_LINEAR = CostCurve([1, 16, 64, 256], [10.0, 11.0, 30.0, 110.0])
+# compute-bound from the start (a CPU-like curve)
+LINEAR = CostCurve([1, 4, 16, 64], [10.0, 20.0, 50.0, 170.0])
+
+
+def _states(n, alpha):
+    return [RequestPolicyState(alpha=alpha, backoff=10**6) for _ in range(n)]
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    assert FLAT_THEN_LINEAR(1) == 10.0 and FLAT_THEN_LINEAR(0.5) == 10.0
+    assert abs(FLAT_THEN_LINEAR(40) - 20.5) < 1e-9
+    assert abs(FLAT_THEN_LINEAR(512) - 216.66666) < 1e-3     # slope of the last segment
+    assert CostCurve([2], [4.0])(8) == 16.0                   # one point: proportional
+
+
+def test_speculates_when_small_batch_and_good_acceptance():
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    assert policy.select(_states(1, 3.0), [4]) == [True]
+    assert policy.select(_states(4, 3.0), [4] * 4) == [True] * 4
+
+
+def test_busy_server_falls_back_to_plain():
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    chosen = policy.select(_states(64, 2.0), [12] * 64)
+    assert sum(chosen) < 64
+    assert policy.select(_states(256, 2.0), [12] * 256) == [False] * 256
+    assert 0 < policy.max_batch_size(alpha=2.0) < 64
+
+
+def test_compute_bound_needs_high_acceptance():
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    assert policy.select(_states(1, 1.5), [4]) == [False]   # c(4) = 2 c(1) > 1.5 c(1)
+    assert policy.select(_states(1, 3.0), [4]) == [True]
+
+
+def test_best_requests_speculate_first():
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    states = _states(4, 1.1)
+    states[2].alpha = 4.0
+    assert policy.select(states, [4] * 4) == [False, False, True, False]
+
+
+def test_draft_cost_counts():
+    free = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    costly = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 30.0 * k, num_draft_tokens=4)
+    assert free.select(_states(1, 2.0), [4]) == [True]
+    assert costly.select(_states(1, 2.0), [4]) == [False]
+
+
+def test_root_only_trees_never_count():
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    assert policy.select(_states(2, 3.0), [1, 4]) == [False, True]
+
+
+def test_probe_backoff_doubles_and_caps():
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    state = RequestPolicyState(alpha=1.0)
+    probes = [i for i in range(300) if policy.select([state], [4])[0]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 0 and gaps[:4] == [2, 3, 5, 9] and max(gaps) == PROBE_MAX_BACKOFF + 1
+
+
+def test_no_probe_when_even_full_acceptance_cannot_pay():
+    policy = SpecPolicy(LINEAR, lambda k: 1000.0, num_draft_tokens=4)
+    state = RequestPolicyState(alpha=None)
+    assert not any(policy.select([state], [4])[0] for _ in range(100))
+
+
+def test_observe_updates_request_and_global_estimates():
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    state = RequestPolicyState()
+    policy.observe(state, 4)
+    assert state.alpha == 4.0 and policy.alpha > 2.0
+    policy.observe(state, 1)
+    assert 1.0 < state.alpha < 4.0
+
+
+def test_always_mode():
+    policy = SpecPolicy(LINEAR, lambda k: 1e9, num_draft_tokens=4, is_always=True)
+    assert policy.select(_states(3, 1.0), [4, 1, 2]) == [True, False, True]
+
+
+def test_measure_cost_curve_is_monotone_and_respects_budget():
+    calls = []
+
+    def forward(width):
+        calls.append(width)
+
+    curve = measure_cost_curve(forward, [1, 16], [4, 64], budget_s=10.0)
+    assert curve.widths == [1, 4, 16, 64] and curve.seconds == sorted(curve.seconds)
+    calls.clear()
+    curve = measure_cost_curve(forward, [1, 16], [4, 64], budget_s=0.0)
+    assert curve.widths == [1, 16]
