@@ -1,0 +1,250 @@
+"""``specserve bench speculative``: a speculative-decoding parameter sweep (SGLang's
+bench_speculative), always against plain decoding in the same run.
+
+One Engine per configuration (plain first), the same engine settings otherwise; each is shut
+down before the next is built. Prompts run category by category (a category = a prompt file).
+Per configuration, per category and overall: generated tokens/s, speedup vs plain, accept
+length (per-request ``spec_accept_length`` weighted by ``spec_verify_ct``), the accept-length
+histogram when the engine reports one, and how many outputs equal plain decoding's.
+"""
+from __future__ import annotations
+
+import argparse
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.bench import prompts as prompt_data
+from specserve.bench import report
+from specserve.bench import serving
+
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
+NEEDS_DRAFT_MODEL = ("STANDALONE", "EAGLE", "EAGLE3")
+DEFAULT_GRID = "3,1,4;5,4,8"
+INACTIVE_WARNING = ("no speculative verify pass was recorded (spec_verify_ct = 0 for every request): "
+                    "the engine ran plain decoding; is speculation wired into it yet?")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_steps: int | None
+    topk: int | None
+    num_draft_tokens: int | None
+
+    @property
+    def label(self) -> str:
+        parts = [f"{name}{value}" for name, value in (("s", self.num_steps), ("k", self.topk),
+                                                     ("d", self.num_draft_tokens)) if value is not None]
+        return " ".join(parts) or "default"
+
+
+def parse_grid(text: str, algorithm: str | None) -> list[SpecConfig]:
+    """``"steps,topk,draft_tokens;..."`` -> configs (an empty field means the engine's default).
+    For NGRAM only draft_tokens matter: steps and topk are dropped and duplicates merged."""
+    configs: list[SpecConfig] = []
+    for item in (s.strip() for s in text.split(";")):
+        if not item:
+            continue
+        fields = [f.strip() for f in item.split(",")]
+        if len(fields) == 1:          # "8": just draft tokens
+            fields = ["", "", fields[0]]
+        if len(fields) != 3:
+            raise ValueError(f"--grid entry {item!r}: expected steps,topk,draft_tokens")
+        values = [_count_or_none(f, item) for f in fields]
+        config = SpecConfig(*values)
+        if (algorithm or "").upper() == "NGRAM":
+            config = SpecConfig(None, None, config.num_draft_tokens)
+        if config not in configs:
+            configs.append(config)
+    return configs
+
+
+def _count_or_none(text: str, item: str) -> int | None:
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--grid entry {item!r}: {text!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"--grid entry {item!r}: values must be >= 0")
+    return value
+
+
+def normalize_algorithm(text: str | None) -> str | None:
+    """Upper-case name, or None for plain only ('none', 'plain', empty)."""
+    if not text or text.lower() in ("none", "plain"):
+        return None
+    algo = text.upper()
+    if algo not in ALGORITHMS:
+        raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)} or none; got {text!r}")
+    return algo
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", default=None,
+                        help="prompt files (FastChat JSONL), comma-separated; default: the four eval files")
+    parser.add_argument("--num-prompts-per-file", type=int, default=3)
+    parser.add_argument("--algorithm", default="NGRAM",
+                        help=f"{'|'.join(ALGORITHMS)}, or none for plain decoding only (default %(default)s)")
+    parser.add_argument("--draft-model-path", default=None, help="draft model / head (STANDALONE, EAGLE, EAGLE3)")
+    parser.add_argument("--grid", default=DEFAULT_GRID,
+                        help="configurations 'steps,topk,draft_tokens;...' (NGRAM: only draft_tokens "
+                             "matter); default %(default)s")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=1, help="requests in flight (default %(default)s)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    algorithm = normalize_algorithm(args.algorithm)
+    grid = parse_grid(args.grid, algorithm) if algorithm else []
+    if algorithm in NEEDS_DRAFT_MODEL and not args.draft_model_path:
+        raise ValueError(f"--algorithm {algorithm} needs --draft-model-path")
+    prompt_list = prompt_data.load_prompts(prompt_data.resolve_prompt_files(args.prompts), args.num_prompts_per_file)
+    id_lists = serving.tokenize_prompts(args, prompt_list, args.max_new_tokens)
+    result: dict[str, Any] = {
+        "benchmark": "speculative", "model_path": args.model_path, "algorithm": algorithm or "none",
+        "draft_model_path": args.draft_model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size, "ignore_eos": args.ignore_eos,
+        "categories": prompt_data.categories(prompt_list), "num_prompts": len(prompt_list), "configs": []}
+    runs = [("plain", {})] + [(c.label, serving.spec_kwargs(algorithm, args.draft_model_path, c.num_steps, c.topk,
+                                                            c.num_draft_tokens)) for c in grid]
+    plain_outputs = None
+    for label, spec in runs:
+        entry, outputs = _run_config(args, label, spec, prompt_list, id_lists)
+        if label == "plain":
+            plain_outputs = outputs
+        _compare(entry, outputs, plain_outputs, prompt_list, result["configs"][0] if result["configs"] else entry)
+        result["configs"].append(entry)
+    _print(result)
+    return result
+
+
+def _run_config(args, label: str, spec: dict[str, Any], prompt_list, id_lists):
+    """(entry, outputs per prompt) for one configuration; entry['error'] set if it failed."""
+    entry: dict[str, Any] = {"label": label, "is_plain": not spec, "spec_kwargs": spec, "per_category": {},
+                             "histogram": {}, "error": None}
+    outputs: list[list[int] | None] = [None] * len(id_lists)
+    engine = None
+    try:
+        kv_tokens = serving.kv_tokens_needed(args, id_lists, args.batch_size, args.max_new_tokens)
+        engine = serving.make_engine(serving.engine_kwargs(args, args.dtype, max_total_tokens=kv_tokens,
+                                                           max_running_requests=max(args.batch_size, 1), **spec))
+        core = engine.engine
+        info = core.get_server_info()
+        entry["engine_spec_params"] = {k: v for k, v in info.items()
+                                       if k.startswith("speculative_") or k == "spec_policy"}
+        serving.warm_up(core, engine.tokenizer, concurrency=args.batch_size)
+        with serving.progress_bar(len(id_lists), f"speculative {label}") as bar:
+            for category in prompt_data.categories(prompt_list):
+                indices = [i for i, p in enumerate(prompt_list) if p.category == category]
+                entry["per_category"][category] = _run_category(core, args, [id_lists[i] for i in indices],
+                                                                indices, outputs, entry["histogram"], category, bar)
+    except Exception as exc:  # a configuration the engine cannot run yet: record it, go on
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry["traceback"] = traceback.format_exc(limit=6)
+        print(f"\n[{label}] failed: {entry['error']}", flush=True)
+    finally:
+        serving.close_engine(engine)
+    entry["overall"] = _overall(entry["per_category"])
+    if spec and not entry["error"] and not entry["overall"]["verify_ct"]:
+        entry["warning"] = INACTIVE_WARNING
+    if entry["histogram"]:
+        entry["histogram"]["overall"] = _sum_histograms(list(entry["histogram"].values()))
+    return entry, outputs
+
+
+def _run_category(core, args, id_lists, indices, outputs, histograms, category, bar) -> dict[str, Any]:
+    core.flush_cache()
+    before = core.get_server_info().get("spec_accept_histogram")
+    records, wall = serving.run_requests(core, id_lists,
+                                         lambda: serving.sampling_params(args.max_new_tokens, args.ignore_eos),
+                                         args.batch_size, on_finish=lambda _r: bar.update(1))
+    after = core.get_server_info().get("spec_accept_histogram")
+    if after is not None:
+        histograms[category] = histogram_delta(before, after)
+    for index, rec in zip(indices, records):
+        outputs[index] = rec.output_ids
+    tokens = sum(len(r.output_ids) for r in records)
+    verify = [r.meta.get("spec_verify_ct", 0) or 0 for r in records]
+    accept = [r.meta.get("spec_accept_length", 1.0) or 1.0 for r in records]
+    return {"num_requests": len(records), "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall if wall > 0 else float("nan"), "verify_ct": sum(verify),
+            "accept_length": report.weighted_mean(accept, verify) if sum(verify) else 1.0,
+            "median_ttft_s": report.median(r.ttft for r in records)}
+
+
+def _overall(per_category: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    stats = list(per_category.values())
+    tokens, wall = sum(s["tokens"] for s in stats), sum(s["wall_s"] for s in stats)
+    verify = [s["verify_ct"] for s in stats]
+    return {"num_requests": sum(s["num_requests"] for s in stats), "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall if wall > 0 else float("nan"), "verify_ct": sum(verify),
+            "accept_length": report.weighted_mean([s["accept_length"] for s in stats], verify)
+            if sum(verify) else (1.0 if stats else float("nan"))}
+
+
+def _compare(entry, outputs, plain_outputs, prompt_list, plain_entry) -> None:
+    """Speedup vs plain and identical-output counts, per category and overall."""
+    groups = dict(entry["per_category"], overall=entry["overall"])
+    plain_groups = dict(plain_entry["per_category"], overall=plain_entry["overall"])
+    for name, stats in groups.items():
+        stats["speedup"] = report.ratio(stats["tok_s"], plain_groups.get(name, {}).get("tok_s"))
+        members = [i for i, p in enumerate(prompt_list) if name == "overall" or p.category == name]
+        done = [i for i in members if outputs[i] is not None and plain_outputs and plain_outputs[i] is not None]
+        stats["identical_to_plain"] = sum(outputs[i] == plain_outputs[i] for i in done)
+        stats["compared"] = len(done)
+
+
+def histogram_delta(before: Any, after: Any) -> Any:
+    """What an engine-wide accept-length histogram gained between two snapshots
+    (dict {accept_len: count} or list indexed by accept length); ``after`` if not comparable."""
+    if isinstance(after, dict) and isinstance(before, dict):
+        return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+    if isinstance(after, list) and isinstance(before, list):
+        return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+    return after
+
+
+def _sum_histograms(hists: list[Any]) -> Any:
+    if hists and all(isinstance(h, dict) for h in hists):
+        total: dict[Any, Any] = {}
+        for h in hists:
+            for k, v in h.items():
+                total[k] = total.get(k, 0) + v
+        return total
+    if hists and all(isinstance(h, list) for h in hists):
+        width = max(len(h) for h in hists)
+        return [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
+    return hists
+
+
+def format_histogram(hist: Any) -> str:
+    if isinstance(hist, dict):
+        return " ".join(f"{k}:{v}" for k, v in sorted(hist.items(), key=lambda kv: float(kv[0])))
+    if isinstance(hist, list):
+        return " ".join(f"{i}:{v}" for i, v in enumerate(hist) if v)
+    return str(hist)
+
+
+def _print(result: dict[str, Any]) -> None:
+    title = (f"speculative: {result['algorithm']}, {result['dtype']}, batch {result['batch_size']}, "
+             f"max_new_tokens={result['max_new_tokens']}, {result['num_prompts']} prompts")
+    rows = []
+    for entry in result["configs"]:
+        for name in list(entry["per_category"]) + ["overall"]:
+            s = entry["overall"] if name == "overall" else entry["per_category"][name]
+            rows.append([entry["label"], name, s.get("tokens"), s.get("tok_s"), s.get("speedup"),
+                         s.get("accept_length"), f"{s.get('identical_to_plain', 0)}/{s.get('compared', 0)}"])
+        if entry["error"]:
+            rows.append([entry["label"], "ERROR", entry["error"][:60], None, None, None, "-"])
+    report.print_table(["config", "category", "tokens", "tok/s", "speedup", "accept len", "same as plain"],
+                       rows, title=title)
+    for entry in result["configs"]:
+        if entry.get("warning"):
+            print(f"warning [{entry['label']}]: {entry['warning']}")
+        if entry["histogram"].get("overall"):
+            print(f"accept histogram [{entry['label']}] (draft tokens accepted per verify: count): "
+                  f"{format_histogram(entry['histogram']['overall'])}")

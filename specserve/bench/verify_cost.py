@@ -1,0 +1,148 @@
+"""``specserve bench verify-cost``: the verify-width cost curve of our engine.
+
+Time of one target forward over W new tokens on top of a context of C tokens already in the KV
+cache (batch 1), for each W in ``--widths`` and each dtype: the median over repeats, in ms and
+as a ratio to W=1. This is what a speculative verify pass of W draft tokens costs compared with
+one plain decode step; speculation pays off while accept length > cost ratio.
+
+Uses LLMEngine internals directly: the context is prefilled once into slots from the pool, and
+each timed forward takes W fresh slots (``pool.extend_slots``) that are released right after.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from specserve.bench import prompts as prompt_data
+from specserve.bench import report
+from specserve.bench import serving
+
+DEFAULT_WIDTHS = "1,2,4,8,16,32,64"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--widths", default=DEFAULT_WIDTHS, help="new tokens per forward; default %(default)s")
+    parser.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (C)")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--repeats", type=int, default=10, help="timed forwards per width (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per width first")
+    parser.add_argument("--mask", choices=("causal", "tree"), default="causal",
+                        help="causal: no mask (a chain); tree: pass an explicit [W, W] mask, as a "
+                             "tree verify does (lower-triangular, so the same tokens are seen)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from specserve.bench.plain import parse_dtypes
+
+    widths = sorted(set(serving.parse_int_list(args.widths)))
+    if args.context < 1:
+        raise ValueError("--context must be >= 1")
+    dtypes = parse_dtypes(args.dtypes)
+    result: dict[str, Any] = {"benchmark": "verify_cost", "model_path": args.model_path, "context": args.context,
+                              "widths": widths, "repeats": args.repeats, "mask": args.mask, "curves": {}}
+    for dtype in dtypes:
+        result["curves"][dtype] = _run_dtype(args, dtype, widths)
+    _print(result)
+    return result
+
+
+def context_ids(tokenizer, num_tokens: int) -> list[int]:
+    """``num_tokens`` of real text: eval prompts, chat-templated, concatenated and cut."""
+    ids: list[int] = []
+    for prompt in prompt_data.load_mixed_prompts(40):
+        ids.extend(prompt_data.chat_ids(tokenizer, prompt.text))
+        if len(ids) >= num_tokens:
+            break
+    while len(ids) < num_tokens:      # tiny eval sets: repeat
+        ids.extend(ids or [0])
+    return ids[:num_tokens]
+
+
+def _run_dtype(args, dtype: str, widths: list[int]) -> list[dict[str, Any]]:
+    import torch
+
+    engine = None
+    try:
+        need = args.context + max(widths) + 64
+        engine = serving.make_engine(serving.engine_kwargs(args, dtype, disable_radix_cache=True,
+                                                           max_total_tokens=max(need, args.context_length + 64)))
+        core = engine.engine
+        if args.context + max(widths) > core.context_len:
+            raise ValueError(f"--context {args.context} + width {max(widths)} exceeds the engine's "
+                             f"context length {core.context_len} (raise --context-length)")
+        ctx = context_ids(engine.tokenizer, args.context)
+        sync = torch.cuda.synchronize if str(core.device).startswith("cuda") else (lambda: None)
+        return _measure(core, ctx, widths, args, sync)
+    finally:
+        serving.close_engine(engine)
+
+
+def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[str, Any]]:
+    """Prefill the context once, then time each width; widths interleave within each repeat so
+    that slow phases of a noisy machine spread over all of them."""
+    from tqdm import tqdm
+
+    from specserve.runner.model_runner import ExtendSpec
+
+    row = 0
+    ctx_slots = core.pool.extend_slots([], len(ctx))
+    if ctx_slots is None:
+        raise RuntimeError("KV pool too small for the context")
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    draft = ctx[-max(widths):] if len(ctx) >= max(widths) else (ctx * max(widths))[:max(widths)]
+    try:
+        core.runner.forward([ExtendSpec(row=row, prefix_len=0, token_ids=ctx, new_slots=ctx_slots, num_logits=1)])
+        total = (args.warmup + args.repeats) * len(widths)
+        with tqdm(total=total, desc=f"verify-cost {core.runner.dtype}".replace("torch.", ""), leave=False) as bar:
+            for repeat in range(args.warmup + args.repeats):
+                for width in widths:
+                    elapsed = _one_forward(core, row, ctx_slots, draft[:width], args.mask, sync)
+                    if repeat >= args.warmup:
+                        times[width].append(elapsed)
+                    bar.update(1)
+    finally:
+        core.pool.release_slots(ctx_slots)
+    base = report.median(times[widths[0]]) if widths[0] == 1 else float("nan")
+    rows = []
+    for width in widths:
+        ms = report.median(times[width]) * 1000
+        rows.append({"width": width, "median_ms": ms, "min_ms": min(times[width]) * 1000,
+                     "ratio_vs_w1": report.ratio(ms, base * 1000), "ms_per_token": ms / width,
+                     "samples_ms": [t * 1000 for t in times[width]]})
+    return rows
+
+
+def _one_forward(core, row: int, ctx_slots: list[int], tokens: list[int], mask: str, sync) -> float:
+    import torch
+
+    from specserve.runner.model_runner import ExtendSpec
+
+    width = len(tokens)
+    slots = core.pool.extend_slots(ctx_slots, width)
+    if slots is None:
+        raise RuntimeError("KV pool too small for the verify width")
+    tree_mask = None
+    if mask == "tree":
+        tree_mask = torch.tril(torch.ones(width, width, dtype=torch.bool, device=core.device))
+    spec = ExtendSpec(row=row, prefix_len=len(ctx_slots), token_ids=tokens, new_slots=slots,
+                      tree_mask=tree_mask, num_logits=width)
+    try:
+        sync()
+        start = time.perf_counter()
+        core.runner.forward([spec])
+        sync()
+        return time.perf_counter() - start
+    finally:
+        core.pool.release_slots(slots)
+
+
+def _print(result: dict[str, Any]) -> None:
+    widths = result["widths"]
+    rows = []
+    for dtype, curve in result["curves"].items():
+        rows.append([f"{dtype} ms"] + [r["median_ms"] for r in curve])
+        rows.append([f"{dtype} x W=1"] + [r["ratio_vs_w1"] for r in curve])
+    report.print_table(["W"] + [str(w) for w in widths], rows,
+                       title=f"verify-width cost: one forward of W new tokens on a {result['context']}-token "
+                             f"context, batch 1, median of {result['repeats']} ({result['mask']} mask)")

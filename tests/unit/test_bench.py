@@ -1,0 +1,238 @@
+"""Benchmark tooling without a model: argument parsing, prompt loading, report writing."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from specserve.bench import cli, prompts, report, serving, speculative
+from specserve.bench.plain import parse_dtypes
+
+
+# ---- argument parsing ---------------------------------------------------------------------------
+
+def test_every_subcommand_parses_with_defaults():
+    for name in cli.SUBCOMMANDS:
+        args = cli.parse_args([name])
+        assert args.command == name
+        assert args.out == "bench_results"
+        assert args.model_path is None
+
+
+def test_plain_defaults_and_flags():
+    args = cli.parse_args(["plain", "--num-prompts", "2", "--max-new-tokens", "32", "--out", "x"])
+    assert (args.num_prompts, args.max_new_tokens, args.out) == (2, 32, "x")
+    assert parse_dtypes(cli.parse_args(["plain"]).dtypes) == ["bfloat16", "float32"]
+    with pytest.raises(ValueError):
+        parse_dtypes("int8")
+
+
+def test_serving_flags_and_modes():
+    args = cli.parse_args(["serving", "--concurrency", "8,4", "--speculative-algorithm", "ngram",
+                           "--speculative-num-draft-tokens", "4", "--compare-plain", "--no-ignore-eos"])
+    assert serving.concurrency_levels(args.concurrency) == [1, 4, 8]
+    assert args.ignore_eos is False
+    modes = serving.modes_to_run(args)
+    assert [label for label, _ in modes] == ["plain", "NGRAM"]
+    assert modes[1][1] == {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
+    assert serving.modes_to_run(cli.parse_args(["serving"])) == [("plain", {})]
+    with pytest.raises(ValueError):
+        serving.parse_int_list("0,2")
+
+
+def test_speculative_grid_parsing():
+    grid = speculative.parse_grid("3,1,4;5,4,8", "EAGLE")
+    assert grid == [speculative.SpecConfig(3, 1, 4), speculative.SpecConfig(5, 4, 8)]
+    assert grid[0].label == "s3 k1 d4"
+    ngram = speculative.parse_grid("3,1,4;5,4,4; 8 ;,,16", "NGRAM")   # only draft tokens matter
+    assert [c.num_draft_tokens for c in ngram] == [4, 8, 16]
+    assert ngram[0].label == "d4"
+    with pytest.raises(ValueError):
+        speculative.parse_grid("1,2", "EAGLE")
+    with pytest.raises(ValueError):
+        speculative.parse_grid("-1,1,4", "EAGLE")
+    with pytest.raises(ValueError):
+        speculative.parse_grid("a,1,4", "EAGLE")
+    assert speculative.parse_grid("0,0,8;0,0,12", "ngram") == [speculative.SpecConfig(None, None, 8),
+                                                               speculative.SpecConfig(None, None, 12)]
+
+
+def test_speculative_algorithm_and_engine_kwargs():
+    assert speculative.normalize_algorithm("none") is None
+    assert speculative.normalize_algorithm("eagle3") == "EAGLE3"
+    with pytest.raises(ValueError):
+        speculative.normalize_algorithm("MEDUSA")
+    assert serving.spec_kwargs(None) == {}
+    assert serving.spec_kwargs("standalone", "/d", 3, 1, 4) == {
+        "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
+        "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    args = cli.parse_args(["speculative", "--model-path", "m.gguf", "--max-total-tokens", "999"])
+    kwargs = serving.engine_kwargs(args, "float32", max_total_tokens=5, speculative_num_steps=None)
+    assert kwargs == {"model_path": "m.gguf", "dtype": "float32", "device": "auto", "context_length": 2048,
+                      "max_total_tokens": 999, "disable_radix_cache": False}
+
+
+def test_kv_tokens_needed_covers_concurrency_and_context():
+    args = SimpleNamespace(context_length=256)
+    assert serving.kv_tokens_needed(args, [[1] * 100, [1] * 10], 8, 32, slack_per_request=4) == 8 * 136
+    assert serving.kv_tokens_needed(args, [[1] * 10], 1, 8, slack_per_request=4) == 260
+
+
+def test_bench_hook_reports_errors_cleanly(capsys):
+    from specserve.cli import main as specserve_main
+
+    with pytest.raises(SystemExit):
+        specserve_main(["bench", "--help"])
+    assert "verify-cost" in capsys.readouterr().out
+
+
+# ---- prompt loading -------------------------------------------------------------------------------
+
+def _write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
+    return path
+
+
+def test_load_prompt_file_uses_first_turn_and_file_stem(tmp_path):
+    path = _write_jsonl(tmp_path / "my_set.jsonl", [
+        {"question_id": 7, "category": "writing", "turns": ["first?", "second?"]},
+        {"question_id": 8, "category": "math", "turns": ["2+2?"], "reference": ["4"]},
+        {"question_id": 9, "category": "math", "turns": ["3+3?"]},
+    ])
+    loaded = prompts.load_prompt_file(path, limit=2)
+    assert [(p.category, p.question_id, p.text) for p in loaded] == [("my_set", 7, "first?"), ("my_set", 8, "2+2?")]
+    assert len(prompts.load_prompt_file(path)) == 3
+
+
+def test_load_prompt_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        prompts.load_prompt_file(tmp_path / "missing.jsonl")
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question_id": 1, "turns": []}])
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        prompts.load_prompt_file(bad)
+
+
+def test_mixed_and_grouped_prompts(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"turns": [f"a{i}"]} for i in range(4)])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"turns": [f"b{i}"]} for i in range(4)])
+    assert [p.text for p in prompts.load_mixed_prompts(3, [a, b])] == ["a0", "b0", "a1"]
+    grouped = prompts.load_prompts([a, b], 2)
+    assert [p.text for p in grouped] == ["a0", "a1", "b0", "b1"]
+    assert prompts.categories(grouped) == ["a", "b"]
+    assert prompts.resolve_prompt_files(f"{a}, {b}") == [a, b]
+
+
+def test_default_eval_files(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECSERVE_EVAL_DIR", str(tmp_path))
+    assert [p.name for p in prompts.default_prompt_files()] == list(prompts.DEFAULT_EVAL_FILES)
+    _write_jsonl(tmp_path / "eagle_gsm8k.jsonl", [{"turns": ["q"]}])
+    assert prompts.resolve_prompt_files("eagle_gsm8k.jsonl") == [tmp_path / "eagle_gsm8k.jsonl"]
+
+
+def test_real_eval_files_load_when_present():
+    files = prompts.default_prompt_files()
+    if not all(f.is_file() for f in files):
+        pytest.skip(f"eval prompts not found in {prompts.default_eval_dir()}")
+    loaded = prompts.load_prompts(files, 2)
+    assert prompts.categories(loaded) == [f.stem for f in files]
+    assert all(p.text for p in loaded)
+
+
+class _FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "<user>" + messages[0]["content"] + "<assistant>"
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_chat_ids_templates_and_shortens():
+    tok = _FakeTokenizer()
+    assert prompts.chat_ids(tok, "hi") == [ord(c) for c in "<user>hi<assistant>"]
+    long_text = " ".join(f"word{i}" for i in range(200))
+    ids = prompts.chat_ids(tok, long_text, max_len=100)
+    assert len(ids) <= 100
+    assert ids[:len("<user>word0")] == [ord(c) for c in "<user>word0"]
+
+
+# ---- reports -----------------------------------------------------------------------------------
+
+def test_stats_helpers():
+    assert report.median([3.0, 1.0, float("nan"), 2.0]) == 2.0
+    assert math.isnan(report.median([]))
+    assert report.ratio(6, 3) == 2
+    assert math.isnan(report.ratio(1, 0))
+    assert report.weighted_mean([2.0, 4.0], [1, 3]) == 3.5
+    assert report.common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def test_format_table_aligns_and_formats():
+    text = report.format_table(["name", "value"], [["a", 1.23456], ["bbb", float("nan")], ["c", None]],
+                               title="T")
+    lines = text.splitlines()
+    assert lines[0] == "T"
+    assert lines[1].startswith("name")
+    assert "1.23" in lines[3] and "1.2345" not in lines[3]
+    assert lines[4].rstrip().endswith("-")
+    assert len({len(line) for line in lines[1:]}) == 1
+
+
+def test_write_json_is_strict_json(tmp_path):
+    path = report.write_json(report.result_path(tmp_path / "out", "plain", stamp="20250101-000000"),
+                             {"x": float("nan"), "y": [1.5, float("inf")], "p": tmp_path})
+    assert path.name == "plain-20250101-000000.json"
+    data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert data["x"] is None and data["y"] == [1.5, None] and data["p"] == str(tmp_path)
+    assert "torch" in data["environment"] and "created" in data
+
+
+def _fake_speculative_result():
+    def stats(tok_s, speedup, accept):
+        return {"tokens": 100, "tok_s": tok_s, "speedup": speedup, "accept_length": accept,
+                "identical_to_plain": 2, "compared": 2, "num_requests": 2, "wall_s": 1.0, "verify_ct": 10}
+
+    plain = {"label": "plain", "is_plain": True, "per_category": {"a": stats(10, 1, 1), "b": stats(12, 1, 1)},
+             "overall": stats(11, 1, 1), "histogram": {}, "error": None}
+    spec = {"label": "d4", "is_plain": False, "per_category": {"a": stats(15, 1.5, 2.1), "b": stats(18, 1.5, 2.4)},
+            "overall": stats(16.5, 1.5, 2.25), "histogram": {"overall": {"1": 3, "3": 2}}, "error": None}
+    return {"benchmark": "speculative", "algorithm": "NGRAM", "model_path": "m.gguf", "dtype": "float32",
+            "max_new_tokens": 32, "batch_size": 1, "num_prompts": 4, "configs": [plain, spec]}
+
+
+def test_plots_write_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = report.plot_speculative(_fake_speculative_result(), tmp_path / "spec.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    curves = {"float32": [{"width": w, "median_ms": 10.0 * w ** 0.5, "ratio_vs_w1": w ** 0.5} for w in (1, 2, 4)]}
+    assert report.plot_verify_cost({"curves": curves, "context": 256}, tmp_path / "vc.png").is_file()
+    modes = {"plain": [{"concurrency": 1, "throughput": 10.0}, {"concurrency": 8, "throughput": 50.0}]}
+    assert report.plot_serving({"modes": modes}, tmp_path / "serving.png").is_file()
+    assert report.plot_speculative({"configs": []}, tmp_path / "none.png") is None
+
+
+def test_speculative_table_and_histograms(capsys):
+    speculative._print(_fake_speculative_result())
+    out = capsys.readouterr().out
+    assert "overall" in out and "1.50" in out and "2/2" in out
+    assert "accept histogram [d4]" in out and "1:3 3:2" in out
+    assert speculative.histogram_delta({1: 2, 2: 1}, {1: 5, 2: 1, 3: 4}) == {1: 3, 3: 4}
+    assert speculative.histogram_delta([1, 2], [3, 2, 5]) == [2, 0, 5]
+
+
+def test_cli_save_writes_json_and_plot(tmp_path):
+    args = cli.parse_args(["speculative", "--out", str(tmp_path), "--tag", "t"])
+    paths = cli.save(args, _fake_speculative_result())
+    assert paths[0].endswith(".json") and "speculative-t-" in paths[0]
+    assert json.loads(open(paths[0]).read())["args"]["grid"] == speculative.DEFAULT_GRID
+    if len(paths) > 1:
+        assert paths[1].endswith(".png")
+
+
+def test_mismatches_and_records():
+    a = serving.RequestRecord(0, 5, t_add=0.0, t_first=0.5, t_end=1.5, output_ids=[1, 2, 3], text="x")
+    assert a.ttft == 0.5 and a.decode_rate == 2.0
+    b = serving.RequestRecord(0, 5, output_ids=[1, 2, 4], text="y")
+    assert serving.mismatches([a], [a]) == []
+    assert serving.mismatches([b], [a]) == [{"index": 0, "first_diff_token": 2, "len": 3, "ref_len": 3}]
