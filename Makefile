@@ -3,6 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 30000
+SPEC_ARGS ?= --speculative-algorithm NGRAM
 SERVE_ARGS ?=
 
 .PHONY: install serve test test-all bench model clean
@@ -21,7 +22,7 @@ model: install
 	$(BIN)/python -m specserve.loading.default_model
 
 serve: install model
-	$(BIN)/python -m specserve.launch_server --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(BIN)/python -m specserve.launch_server --host $(HOST) --port $(PORT) $(SPEC_ARGS) $(SERVE_ARGS)
 
 test: install model
 	$(BIN)/python -m pytest -q -x tests
