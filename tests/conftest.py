@@ -29,3 +29,13 @@ def hf_export_dir(default_gguf_path: str, tmp_path_factory: pytest.TempPathFacto
     from specserve.loading.export import export_hf_dir
 
     return str(export_hf_dir(default_gguf_path, tmp_path_factory.mktemp("hf_export")))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run only with SPECSERVE_SLOW=1 (``make test-all``)."""
+    if os.environ.get("SPECSERVE_SLOW") == "1":
+        return
+    skip_slow = pytest.mark.skip(reason="slow test: set SPECSERVE_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)

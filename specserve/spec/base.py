@@ -148,6 +148,7 @@ class SpecWorker:
     def __init__(self, params: SpecParams, proposer: Proposer, policy: SpecPolicy) -> None:
         self.params, self.proposer, self.policy = params, proposer, policy
         self.accept_histogram = [0] * params.num_draft_tokens   # [accepted drafts] -> verifies
+        self.num_draft_tokens_verified = 0                       # tree nodes past the root
 
     def on_prefill(self, engine, batch) -> None:
         self.proposer.on_prefill(engine, batch.items)
@@ -191,11 +192,13 @@ class SpecWorker:
             engine.stats.spec_verify_ct += 1
             engine.stats.spec_accepted_tokens += res.accept_len
             self.accept_histogram[res.accept_len] += 1
+            self.num_draft_tokens_verified += tree.num_nodes - 1
             self.policy.observe(spec_state(req).policy, res.accept_len + 1)
 
     def server_info(self) -> dict[str, Any]:
         p = self.params
         return {"spec_accept_histogram": list(self.accept_histogram),
+                "spec_draft_tokens": self.num_draft_tokens_verified,
                 "speculative_num_steps": p.num_steps, "speculative_eagle_topk": p.topk,
                 "speculative_num_draft_tokens": p.num_draft_tokens,
                 "spec_policy": {"accept_length_ema": self.policy.alpha,

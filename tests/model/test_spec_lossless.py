@@ -1,0 +1,169 @@
+"""Greedy speculative decoding == plain greedy decoding, token for token, on the default
+model (SmolLM2-135M-Instruct, float32), for NGRAM and STANDALONE.
+
+Every speculative engine runs with ``SPECSERVE_SPEC_POLICY=always`` so each decode step
+really speculates (on a CPU the cost model would often choose plain decoding).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from specserve.engine import Engine
+
+EVAL_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "eval"
+EVAL_FILES = ("vicuna_bench.jsonl", "eagle_humaneval.jsonl", "eagle_gsm8k.jsonl", "eagle_alpaca.jsonl")
+COPY_TEXT = ("Repeat this text exactly: The quick brown fox jumps over the lazy dog. Pack my box with "
+             "five dozen liquor jugs. How vexingly quick daft zebras jump.")
+NEW_TOKENS = 24
+ENGINE_KW = {"dtype": "float32", "max_total_tokens": 8192, "context_length": 2048}
+
+
+def _dev_prompts() -> list[str]:
+    if not EVAL_DIR.is_dir():
+        pytest.skip(f"dev prompts not found: {EVAL_DIR} (../shared/data/eval)")
+    prompts = []
+    for name in EVAL_FILES:
+        with open(EVAL_DIR / name) as f:
+            prompts += [json.loads(line)["turns"][0] for line, _ in zip(f, range(2))]
+    return prompts                     # 8 prompts: 2 per file
+
+
+def _always(build):
+    old = os.environ.get("SPECSERVE_SPEC_POLICY")
+    os.environ["SPECSERVE_SPEC_POLICY"] = "always"
+    try:
+        return build()
+    finally:
+        if old is None:
+            os.environ.pop("SPECSERVE_SPEC_POLICY")
+        else:
+            os.environ["SPECSERVE_SPEC_POLICY"] = old
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(default_gguf_path, tmp_path_factory) -> str:
+    import torch
+
+    from specserve.spec.truncated_draft import write_truncated_draft
+
+    out = tmp_path_factory.mktemp("draft8")
+    return str(write_truncated_draft(default_gguf_path, out, num_layers=8, dtype=torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def engines(default_gguf_path, truncated_draft) -> dict[str, Engine]:
+    built = {"plain": Engine(model_path=default_gguf_path, **ENGINE_KW)}
+    specs = {
+        "NGRAM": {"speculative_algorithm": "NGRAM"},
+        "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": truncated_draft},
+        "SELF": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": default_gguf_path,
+                 "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4},
+    }
+    for name, kw in specs.items():
+        built[name] = _always(lambda kw=kw: Engine(model_path=default_gguf_path, **ENGINE_KW, **kw))
+    return built
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engines) -> list[list[int]]:
+    tok = engines["plain"].tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in _dev_prompts()]
+
+
+_plain_cache: dict = {}
+
+
+def _generate(engine: Engine, ids, params):
+    return engine.generate(input_ids=ids, sampling_params=params)
+
+
+def _plain(engines, ids, params):
+    key = (json.dumps(ids), json.dumps(params))
+    if key not in _plain_cache:
+        _plain_cache[key] = _generate(engines["plain"], ids, params)
+    return _plain_cache[key]
+
+
+def _assert_no_kv_leak(engine: Engine):
+    usage = engine.engine.kv_usage()
+    assert usage["free"] + usage["evictable"] == usage["total"], usage
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_greedy_lossless_one_at_a_time(engines, prompt_ids, algo):
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
+    for ids in prompt_ids[::3]:                     # 3 prompts from different files
+        ours = _generate(engines[algo], ids, params)
+        assert ours["output_ids"] == _plain(engines, ids, params)["output_ids"]
+        assert ours["meta_info"]["spec_verify_ct"] > 0
+    _assert_no_kv_leak(engines[algo])
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_greedy_lossless_eight_concurrent(engines, prompt_ids, algo):
+    params = [{"temperature": 0, "max_new_tokens": 8 + 2 * i} for i in range(len(prompt_ids))]
+    ours = _generate(engines[algo], prompt_ids, params)
+    plain = _plain(engines, prompt_ids, params)
+    assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in plain]
+    _assert_no_kv_leak(engines[algo])
+
+
+def test_ngram_copy_heavy_accepts_a_lot(engines):
+    tok = engines["plain"].tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY_TEXT}]))
+    params = {"temperature": 0, "max_new_tokens": 40}
+    ours = _generate(engines["NGRAM"], ids, params)
+    assert ours["output_ids"] == _plain(engines, ids, params)["output_ids"]
+    assert ours["meta_info"]["spec_accept_length"] > 2.0, ours["meta_info"]
+
+
+def test_target_as_draft_accepts_every_drafted_token(engines, prompt_ids):
+    engine = engines["SELF"]
+    before = dict(engine.engine.get_server_info())
+    params = [{"temperature": 0, "max_new_tokens": 17} for _ in prompt_ids[:4]]
+    ours = _generate(engine, prompt_ids[:4], params)
+    assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in _plain(engines, prompt_ids[:4], params)]
+    after = engine.engine.get_server_info()
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = sum(o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1) for o in ours)
+    assert drafted > 0 and round(accepted) == drafted
+    assert min(o["meta_info"]["spec_accept_length"] for o in ours) > 3.0
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5])
+def test_max_tokens_and_stop_strings_inside_accepted_runs(engines, max_new_tokens):
+    tok = engines["plain"].tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY_TEXT}]))
+    for params in ({"temperature": 0, "max_new_tokens": max_new_tokens},
+                   {"temperature": 0, "max_new_tokens": 40, "stop": ["lazy", "jugs"]},
+                   {"temperature": 0, "max_new_tokens": 40, "stop_token_ids": [957]}):
+        plain = _plain(engines, ids, params)
+        for algo in ("NGRAM", "SELF"):
+            ours = _generate(engines[algo], ids, params)
+            assert ours["output_ids"] == plain["output_ids"], (algo, params)
+            assert ours["text"] == plain["text"]
+            assert ours["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+            _assert_no_kv_leak(engines[algo])
+
+
+def test_logprobs_match_plain(engines, prompt_ids):
+    params = {"temperature": 0, "max_new_tokens": 12, "return_logprob": True, "top_logprobs_num": 2}
+    core_plain, core_spec = engines["plain"].engine, engines["SELF"].engine
+    results = []
+    for core in (core_plain, core_spec):
+        rid = core.add_request(None, prompt_ids[1], __import__("specserve.core").core.SamplingParams(**params))
+        logprobs, tops = [], []
+        while core.has_unfinished():
+            for out in core.step():
+                if out.rid == rid:
+                    logprobs += out.new_logprobs
+                    tops += out.new_top_logprobs
+        results.append((logprobs, tops))
+    (lp_plain, top_plain), (lp_spec, top_spec) = results
+    assert len(lp_spec) == len(lp_plain) == 12
+    assert max(abs(a - b) for a, b in zip(lp_plain, lp_spec)) < 1e-3
+    assert [[t for t, _ in row] for row in top_spec] == [[t for t, _ in row] for row in top_plain]
