@@ -646,7 +646,7 @@ async def metrics(request: Request) -> Response:
     running = info.get("num_running_reqs", state.async_engine.num_active_requests)
     waiting = info.get("num_waiting_reqs", info.get("num_queue_reqs", 0))
     state.metrics.set_engine_state(int(running or 0), int(waiting or 0), kv_usage,
-                                   info.get("avg_spec_accept_length"))
+                                   info.get("avg_spec_accept_length"), info.get("spec_accept_histogram"))
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -57,6 +57,10 @@ class ServerMetrics:
         self.spec_accept_length = Gauge(
             PREFIX + "spec_accept_length", "Average tokens per verify step (speculative decoding).",
             labels, registry=self.registry)
+        self.spec_accept_histogram = Gauge(
+            PREFIX + "spec_accept_histogram",
+            "Verify passes by number of accepted draft tokens (engine-wide, since start).",
+            labels + ["accept_len"], registry=self.registry)
         self.spec_accept_length_per_request = Histogram(
             PREFIX + "spec_accept_length_per_request",
             "Per-request average accept length (tokens per verify step).",
@@ -89,7 +93,8 @@ class ServerMetrics:
 
     # ---- scrape-time snapshot ----------------------------------------------------
     def set_engine_state(self, num_running: int, num_waiting: int, kv_usage: dict[str, Any] | None,
-                         avg_spec_accept_length: float | None) -> None:
+                         avg_spec_accept_length: float | None,
+                         spec_accept_histogram: list[int] | None = None) -> None:
         model = self.model_name
         self.num_running_reqs.labels(model).set(num_running)
         self.num_queue_reqs.labels(model).set(num_waiting)
@@ -100,6 +105,8 @@ class ServerMetrics:
             self.cached_token_usage.labels(model).set(kv_usage.get("cached", 0) / total)
         if avg_spec_accept_length:
             self.spec_accept_length.labels(model).set(float(avg_spec_accept_length))
+        for accept_len, count in enumerate(spec_accept_histogram or []):
+            self.spec_accept_histogram.labels(model, str(accept_len)).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
