@@ -18,13 +18,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(dtype: str, model_config: ModelConfig, device: str) -> torch.dtype:
-    """``auto``: the checkpoint's half-precision dtype (bf16 on CPU), else bfloat16."""
+    """``auto``: float32 on CPU; on CUDA the checkpoint's float16, else bfloat16.
+
+    CPU bfloat16 is faster but its matmul kernels change with the number of rows
+    (more than 32 rows take another kernel), so prefix-cache hits, chunked prefill,
+    batching and speculative verification can change greedy outputs. float32
+    keeps greedy output identical across all of them, so it is the CPU default.
+    """
     if dtype != "auto":
         return _DTYPES[dtype]
+    if not device.startswith("cuda"):
+        return torch.float32
     stored = model_config.torch_dtype.replace("torch.", "")
-    if stored == "float16" and device.startswith("cuda"):
-        return torch.float16
-    return torch.bfloat16
+    return torch.float16 if stored == "float16" else torch.bfloat16
 
 
 @dataclass
