@@ -28,7 +28,7 @@ from specserve.spec import target_verify as tv
 from specserve.spec.params import SpecParams
 from specserve.spec.policy import CostCurve, SpecPolicy, measure_cost_curve
 from specserve.spec.state import RequestSpecState, spec_state  # noqa: F401 (re-export)
-from specserve.spec.tree import DraftTree, root_only
+from specserve.spec.tree import DraftTree, depths, root_only, truncate_tree
 from specserve.spec.verify import AcceptResult, emitted_tokens
 
 if TYPE_CHECKING:
@@ -170,16 +170,16 @@ class SpecWorker:
         states = [spec_state(item.req).policy for item in items]
         if self.proposer.is_cheap:
             trees = self.proposer.propose(engine, items, caps)
-            chosen = self.policy.select(states, [t.num_nodes for t in trees])
-            return [t if on else root_only(t.root_token) for t, on in zip(trees, chosen)]
-        chosen = self.policy.select(states, caps)
-        picked = [item for item, on in zip(items, chosen) if on]
-        skipped = [item for item, on in zip(items, chosen) if not on]
-        drafted = iter(self.proposer.propose(engine, picked, [c for c, on in zip(caps, chosen) if on])
+            sizes = self.policy.select(states, [t.num_nodes for t in trees])
+            return [truncate_tree(t, n) if n > 1 else root_only(t.root_token) for t, n in zip(trees, sizes)]
+        sizes = self.policy.select(states, caps)
+        picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
+        skipped = [item for item, n in zip(items, sizes) if n == 1]
+        drafted = iter(self.proposer.propose(engine, [i for i, _ in picked], [n for _, n in picked])
                        if picked else [])
         if skipped:
             self.proposer.on_skipped(engine, skipped)
-        return [next(drafted) if on else root_only(item.req.all_ids[-1]) for item, on in zip(items, chosen)]
+        return [next(drafted) if n > 1 else root_only(item.req.all_ids[-1]) for item, n in zip(items, sizes)]
 
     def _record(self, engine, items: list, trees: list[DraftTree], results: list[AcceptResult]) -> None:
         """Stats of the verifies that carried drafts (root-only trees are plain decode steps)."""
@@ -193,7 +193,8 @@ class SpecWorker:
             engine.stats.spec_accepted_tokens += res.accept_len
             self.accept_histogram[res.accept_len] += 1
             self.num_draft_tokens_verified += tree.num_nodes - 1
-            self.policy.observe(spec_state(req).policy, res.accept_len + 1)
+            is_full = res.accept_len == int(depths(tree.parents).max())
+            self.policy.observe(spec_state(req).policy, res.accept_len + 1, is_full)
 
     def server_info(self) -> dict[str, Any]:
         p = self.params

@@ -13,9 +13,10 @@ linearly). Each step, for ``bs`` decoding requests:
   throughput is ``(bs + sum(alpha_r - 1)) / (c(bs + sum(m_r - 1)) + d(k))`` with
   ``d(k)`` the proposer's drafting cost for k requests; the best prefix wins if
   it beats plain decoding (``bs / c(bs)``) by MARGIN, else nobody speculates;
-* a request left out for ``backoff_r`` steps may be probed (one per step) so its
-  ``alpha_r`` cannot go stale; its backoff doubles (1, 2, 4 ... PROBE_MAX_BACKOFF),
-  and a probe happens only if an all-accepted tree could pay at this batch size.
+* a request left out for ``backoff_r`` steps may be probed (one per step) with a
+  small tree (at most PROBE_NODES nodes) so its ``alpha_r`` cannot go stale; its
+  backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), and a probe happens only if an
+  all-accepted probe tree could pay at this batch size.
 
 So a busy server (large bs, where ``c`` grows with width) falls back to plain
 decoding, and requests whose drafts do not get accepted stop speculating, while
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MARGIN = 0.05
 PROBE_MAX_BACKOFF = 64
+PROBE_NODES = 4
 REQUEST_EMA_WEIGHT = 0.3
 GLOBAL_EMA_WEIGHT = 0.05
 PRIOR_ALPHA = 2.0
@@ -113,22 +115,22 @@ class SpecPolicy:
         self.alpha = min(PRIOR_ALPHA, float(num_draft_tokens))
         self.last_state: str | None = None
 
-    def select(self, states: list[RequestPolicyState], nodes: list[int]) -> list[bool]:
-        """Which of the step's requests speculate; ``nodes[i]`` = tree size if they do."""
+    def select(self, states: list[RequestPolicyState], nodes: list[int]) -> list[int]:
+        """Tree size per request this step (1: plain decoding); ``nodes[i]`` = its full tree size."""
         bs = len(states)
         if self.is_always:
-            return [n > 1 for n in nodes]
+            return list(nodes)
         alphas = [s.alpha if s.alpha is not None else self.alpha for s in states]
         order = sorted((i for i in range(bs) if nodes[i] > 1), key=lambda i: -alphas[i])
         k = self._best_prefix(bs, order, alphas, nodes)
-        chosen = [False] * bs
+        sizes = [1] * bs
         for i in order[:k]:
-            chosen[i] = True
-        self._probe(states, nodes, chosen)
-        for state, is_on in zip(states, chosen):
-            state.num_skipped = 0 if is_on else state.num_skipped + 1
-        self._log_change(bs, sum(chosen))
-        return chosen
+            sizes[i] = nodes[i]
+        self._probe(states, nodes, sizes)
+        for state, size in zip(states, sizes):
+            state.num_skipped = 0 if size > 1 else state.num_skipped + 1
+        self._log_change(bs, sum(size > 1 for size in sizes))
+        return sizes
 
     def _best_prefix(self, bs: int, order: list[int], alphas: list[float], nodes: list[int]) -> int:
         plain = bs / self.target_cost(bs)
@@ -142,23 +144,33 @@ class SpecPolicy:
                 best_k, best = k, rate
         return best_k
 
-    def _probe(self, states: list[RequestPolicyState], nodes: list[int], chosen: list[bool]) -> None:
-        """Let the longest-skipped due request speculate if an all-accepted tree could pay."""
-        due = [i for i, s in enumerate(states) if not chosen[i] and nodes[i] > 1 and s.num_skipped >= s.backoff]
+    def _probe(self, states: list[RequestPolicyState], nodes: list[int], sizes: list[int]) -> None:
+        """Let the longest-skipped due request try a small tree if an all-accepted one could pay."""
+        due = [i for i, s in enumerate(states) if sizes[i] == 1 and nodes[i] > 1 and s.num_skipped >= s.backoff]
         if not due:
             return
         i = max(due, key=lambda j: states[j].num_skipped)
-        bs, extra = len(states), sum(nodes[j] - 1 for j in range(len(states)) if chosen[j])
-        optimistic = (bs + nodes[i] - 1) / (self.target_cost(bs + extra + nodes[i] - 1)
-                                            + self.draft_cost(sum(chosen) + 1))
+        size = min(nodes[i], PROBE_NODES)
+        bs, width = len(states), sum(sizes)
+        num_drafting = sum(n > 1 for n in sizes) + 1
+        optimistic = (bs + size - 1) / (self.target_cost(width + size - 1) + self.draft_cost(num_drafting))
         if optimistic > bs / self.target_cost(bs):
-            chosen[i] = True
-            states[i].backoff = min(max(1, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
+            sizes[i] = size
+            states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
 
-    def observe(self, state: RequestPolicyState, tokens: int) -> None:
-        """One verify of a tree with drafts emitted ``tokens`` (accepted + bonus)."""
-        state.alpha = float(tokens) if state.alpha is None else (
-            state.alpha + REQUEST_EMA_WEIGHT * (tokens - state.alpha))
+    def observe(self, state: RequestPolicyState, tokens: int, is_fully_accepted: bool = False) -> None:
+        """One verify of a tree with drafts emitted ``tokens`` (accepted + bonus).
+
+        A fully accepted tree only bounds the accept length from below (a bigger tree
+        might have given more): the request's estimate jumps up to it at once and its
+        probe backoff restarts, so a request that starts copying is noticed quickly."""
+        if state.alpha is None:
+            state.alpha = float(tokens)
+        else:
+            state.alpha += REQUEST_EMA_WEIGHT * (tokens - state.alpha)
+        if is_fully_accepted:
+            state.alpha = max(state.alpha, float(tokens))
+            state.backoff = 0
         self.alpha += GLOBAL_EMA_WEIGHT * (tokens - self.alpha)
 
     def max_batch_size(self, alpha: float | None = None, nodes: int | None = None, limit: int = 512) -> int:

@@ -1,7 +1,7 @@
 """The speculation policy on synthetic cost curves."""
 from __future__ import annotations
 
-from specserve.spec.policy import (PROBE_MAX_BACKOFF, CostCurve, RequestPolicyState, SpecPolicy,
+from specserve.spec.policy import (PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve, RequestPolicyState, SpecPolicy,
                                    measure_cost_curve)
 
 # memory-bound up to 16 tokens, then linear (a GPU-like curve, in ms)
@@ -23,55 +23,57 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 def test_speculates_when_small_batch_and_good_acceptance():
     policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    assert policy.select(_states(1, 3.0), [4]) == [True]
-    assert policy.select(_states(4, 3.0), [4] * 4) == [True] * 4
+    assert policy.select(_states(1, 3.0), [4]) == [4]
+    assert policy.select(_states(4, 3.0), [4] * 4) == [4] * 4
 
 
 def test_busy_server_falls_back_to_plain():
     policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
-    chosen = policy.select(_states(64, 2.0), [12] * 64)
-    assert sum(chosen) < 64
-    assert policy.select(_states(256, 2.0), [12] * 256) == [False] * 256
+    sizes = policy.select(_states(64, 2.0), [12] * 64)
+    assert sizes.count(12) < 64 and set(sizes) <= {1, 12}
+    assert policy.select(_states(256, 2.0), [12] * 256) == [1] * 256
     assert 0 < policy.max_batch_size(alpha=2.0) < 64
 
 
 def test_compute_bound_needs_high_acceptance():
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    assert policy.select(_states(1, 1.5), [4]) == [False]   # c(4) = 2 c(1) > 1.5 c(1)
-    assert policy.select(_states(1, 3.0), [4]) == [True]
+    assert policy.select(_states(1, 1.5), [4]) == [1]   # c(4) = 2 c(1) > 1.5 c(1)
+    assert policy.select(_states(1, 3.0), [4]) == [4]
 
 
 def test_best_requests_speculate_first():
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
     states = _states(4, 1.1)
     states[2].alpha = 4.0
-    assert policy.select(states, [4] * 4) == [False, False, True, False]
+    assert policy.select(states, [4] * 4) == [1, 1, 4, 1]
 
 
 def test_draft_cost_counts():
     free = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
     costly = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 30.0 * k, num_draft_tokens=4)
-    assert free.select(_states(1, 2.0), [4]) == [True]
-    assert costly.select(_states(1, 2.0), [4]) == [False]
+    assert free.select(_states(1, 2.0), [4]) == [4]
+    assert costly.select(_states(1, 2.0), [4]) == [1]
 
 
 def test_root_only_trees_never_count():
     policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    assert policy.select(_states(2, 3.0), [1, 4]) == [False, True]
+    assert policy.select(_states(2, 3.0), [1, 4]) == [1, 4]
 
 
 def test_probe_backoff_doubles_and_caps():
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
     state = RequestPolicyState(alpha=1.0)
-    probes = [i for i in range(300) if policy.select([state], [4])[0]]
+    sizes = [policy.select([state], [12])[0] for _ in range(300)]
+    probes = [i for i, n in enumerate(sizes) if n > 1]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes[0] == 0 and gaps[:4] == [2, 3, 5, 9] and max(gaps) == PROBE_MAX_BACKOFF + 1
+    assert probes[0] == 0 and gaps[:4] == [3, 5, 9, 17] and max(gaps) == PROBE_MAX_BACKOFF + 1
+    assert {sizes[i] for i in probes} == {PROBE_NODES}       # probes use small trees
 
 
 def test_no_probe_when_even_full_acceptance_cannot_pay():
     policy = SpecPolicy(LINEAR, lambda k: 1000.0, num_draft_tokens=4)
     state = RequestPolicyState(alpha=None)
-    assert not any(policy.select([state], [4])[0] for _ in range(100))
+    assert all(policy.select([state], [4])[0] == 1 for _ in range(100))
 
 
 def test_observe_updates_request_and_global_estimates():
@@ -83,9 +85,18 @@ def test_observe_updates_request_and_global_estimates():
     assert 1.0 < state.alpha < 4.0
 
 
+def test_fully_accepted_probe_raises_estimate_at_once():
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    state = RequestPolicyState(alpha=1.0, backoff=32)
+    policy.observe(state, 4, is_fully_accepted=True)
+    assert state.alpha == 4.0 and state.backoff == 0
+    policy.observe(state, 1)
+    assert state.alpha < 4.0
+
+
 def test_always_mode():
     policy = SpecPolicy(LINEAR, lambda k: 1e9, num_draft_tokens=4, is_always=True)
-    assert policy.select(_states(3, 1.0), [4, 1, 2]) == [True, False, True]
+    assert policy.select(_states(3, 1.0), [4, 1, 2]) == [4, 1, 2]
 
 
 def test_measure_cost_curve_is_monotone_and_respects_budget():
