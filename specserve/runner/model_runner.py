@@ -99,9 +99,9 @@ class ModelRunner:
             slots.extend(spec.new_slots)
             logit_rows.extend(range(start + n - spec.num_logits, start + n))
         dev = self.device
-        rows = None if len(logit_rows) == len(ids) else torch.tensor(logit_rows, device=dev)
-        return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                torch.tensor(slots, device=dev), rows)
+        rows = None if len(logit_rows) == len(ids) else torch.tensor(logit_rows, dtype=torch.int64, device=dev)
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                torch.tensor(slots, dtype=torch.int64, device=dev), rows)
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
