@@ -8,15 +8,18 @@ linearly). Each step, for ``bs`` decoding requests:
 
 * every request r has an estimated accept length ``alpha_r`` (tokens emitted per
   verify: EMA over its own verifies; the global EMA until it has one) and a tree
-  size ``m_r`` (N, or for NGRAM the size of the tree it actually matched);
+  size ``m_r`` (N, fewer near max_new_tokens; NGRAM trees may come back smaller,
+  which only makes the step cheaper than planned);
 * requests are sorted by ``alpha_r``; for every prefix of that order the step's
   throughput is ``(bs + sum(alpha_r - 1)) / (c(bs + sum(m_r - 1)) + d(k))`` with
   ``d(k)`` the proposer's drafting cost for k requests; the best prefix wins if
   it beats plain decoding (``bs / c(bs)``) by MARGIN, else nobody speculates;
 * a request left out for ``backoff_r`` steps may be probed (one per step) with a
   small tree (at most PROBE_NODES nodes) so its ``alpha_r`` cannot go stale; its
-  backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), and a probe happens only if an
-  all-accepted probe tree could pay at this batch size.
+  backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if an
+  all-accepted probe tree could pay at this batch size, and probes spend at most
+  PROBE_BUDGET of the estimated step time (a credit that accrues each step), so
+  they cannot make a server measurably slower.
 
 So a busy server (large bs, where ``c`` grows with width) falls back to plain
 decoding, and requests whose drafts do not get accepted stop speculating, while
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 MARGIN = 0.05
 PROBE_MAX_BACKOFF = 64
 PROBE_NODES = 4
+PROBE_BUDGET = 0.02          # share of step time probes may spend
+PROBE_CREDIT_STEPS = 2.0     # credit saved up to this many steps' time
 REQUEST_EMA_WEIGHT = 0.3
 GLOBAL_EMA_WEIGHT = 0.05
 PRIOR_ALPHA = 2.0
@@ -114,6 +119,7 @@ class SpecPolicy:
         self.num_draft_tokens = num_draft_tokens
         self.alpha = min(PRIOR_ALPHA, float(num_draft_tokens))
         self.last_state: str | None = None
+        self.probe_credit = PROBE_CREDIT_STEPS * target_cost(PROBE_NODES)   # seconds
 
     def select(self, states: list[RequestPolicyState], nodes: list[int]) -> list[int]:
         """Tree size per request this step (1: plain decoding); ``nodes[i]`` = its full tree size."""
@@ -145,17 +151,22 @@ class SpecPolicy:
         return best_k
 
     def _probe(self, states: list[RequestPolicyState], nodes: list[int], sizes: list[int]) -> None:
-        """Let the longest-skipped due request try a small tree if an all-accepted one could pay."""
+        """Let the longest-skipped due request try a small tree if an all-accepted one could pay
+        and the probe credit covers its extra cost."""
+        bs, width = len(states), sum(sizes)
+        num_drafting = sum(n > 1 for n in sizes)
+        step_cost = self.target_cost(width) + (self.draft_cost(num_drafting) if num_drafting else 0.0)
+        self.probe_credit = min(self.probe_credit + PROBE_BUDGET * step_cost, PROBE_CREDIT_STEPS * step_cost)
         due = [i for i, s in enumerate(states) if sizes[i] == 1 and nodes[i] > 1 and s.num_skipped >= s.backoff]
         if not due:
             return
         i = max(due, key=lambda j: states[j].num_skipped)
         size = min(nodes[i], PROBE_NODES)
-        bs, width = len(states), sum(sizes)
-        num_drafting = sum(n > 1 for n in sizes) + 1
-        optimistic = (bs + size - 1) / (self.target_cost(width + size - 1) + self.draft_cost(num_drafting))
-        if optimistic > bs / self.target_cost(bs):
+        probe_cost = self.target_cost(width + size - 1) + self.draft_cost(num_drafting + 1)
+        extra = probe_cost - step_cost
+        if (bs + size - 1) / probe_cost > bs / self.target_cost(bs) and extra <= self.probe_credit:
             sizes[i] = size
+            self.probe_credit -= extra
             states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
 
     def observe(self, state: RequestPolicyState, tokens: int, is_fully_accepted: bool = False) -> None:

@@ -53,6 +53,29 @@ def _verify_spec(engine, item, tree: DraftTree) -> ExtendSpec:
 
 # ---- verification -----------------------------------------------------------------
 
+def ban_stop_tokens_before_min_new_tokens(items: list, trees: list[DraftTree], logits: Tensor) -> Tensor:
+    """min_new_tokens (SGLang semantics, as plain decoding): a node whose next token would be
+    output number < min_new_tokens cannot emit EOS or stop_token_ids. ``logits`` itself when
+    no row needs it, else a masked copy."""
+    rows: list[int] = []
+    cols: list[int] = []
+    start = 0
+    for item, tree in zip(items, trees):
+        req = item.req
+        num_out, min_new = len(req.output_ids), req.sampling.min_new_tokens
+        if num_out < min_new:
+            banned = list(req.eos_token_ids) + list(req.sampling.stop_token_ids)
+            for node, depth in enumerate(depths(tree.parents).tolist()):
+                if num_out + depth < min_new:
+                    rows += [start + node] * len(banned)
+                    cols += banned
+        start += tree.num_nodes
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
 def accept_trees(engine, items: list, trees: list[DraftTree], logits: Tensor,
                  params: SpecParams) -> list[AcceptResult]:
     offsets = _offsets(trees)

@@ -150,7 +150,8 @@ def _random_prompts(num: int, seed: int) -> list[list[int]]:
 
 
 def _staggered(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """Requests arrive one per step (two at first) with different lengths, so the batch changes."""
+    """Requests arrive one per step (two at first) with different lengths, so the batch changes;
+    some stop at EOS (t31) or a stop token, some only after min_new_tokens."""
     core = engine.engine
     pending = list(enumerate(prompts))
     rids, outputs = {}, {}
@@ -158,7 +159,8 @@ def _staggered(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
         for _ in range(2 if not rids else 1):
             if pending:
                 i, ids = pending.pop(0)
-                params = SamplingParams(temperature=0, max_new_tokens=1 + (7 * i) % 13, ignore_eos=True)
+                params = SamplingParams(temperature=0, max_new_tokens=1 + (7 * i) % 13, ignore_eos=i % 3 == 0,
+                                        min_new_tokens=4 if i % 2 else 0, stop_token_ids=[7] if i % 4 == 1 else [])
                 rids[core.add_request(None, ids, params)] = i
         for out in core.step():
             outputs.setdefault(rids[out.rid], []).extend(out.new_token_ids)

@@ -60,7 +60,10 @@ def test_root_only_trees_never_count():
     assert policy.select(_states(2, 3.0), [1, 4]) == [1, 4]
 
 
-def test_probe_backoff_doubles_and_caps():
+def test_probe_backoff_doubles_and_caps(monkeypatch):
+    import specserve.spec.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "PROBE_BUDGET", 1.0)     # credit is never the limit here
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
     state = RequestPolicyState(alpha=1.0)
     sizes = [policy.select([state], [12])[0] for _ in range(300)]
@@ -68,6 +71,19 @@ def test_probe_backoff_doubles_and_caps():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 0 and gaps[:4] == [3, 5, 9, 17] and max(gaps) == PROBE_MAX_BACKOFF + 1
     assert {sizes[i] for i in probes} == {PROBE_NODES}       # probes use small trees
+
+
+def test_probes_spend_a_bounded_share_of_step_time():
+    from specserve.spec.policy import PROBE_BUDGET
+
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    states = [RequestPolicyState(alpha=1.0) for _ in range(16)]
+    extra = plain = 0.0
+    for _ in range(2000):
+        sizes = policy.select(states, [12] * 16)
+        plain += LINEAR(16)
+        extra += LINEAR(sum(sizes)) - LINEAR(16)
+    assert 0 < extra <= PROBE_BUDGET * plain * 1.05
 
 
 def test_no_probe_when_even_full_acceptance_cannot_pay():
