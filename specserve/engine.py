@@ -153,6 +153,7 @@ class LLMEngine:
     def _sample_one_each(self, reqs: list[Request], logits: torch.Tensor) -> dict[str, TokenResult]:
         if not reqs:
             return {}
+        logits = _ban_stop_tokens_before_min_new_tokens(reqs, logits)
         sampling = SamplingBatch.from_requests(reqs, logits.device, self.model_config.vocab_size)
         tokens = sample(logits, sampling).tolist()
         results = {req.rid: TokenResult([tok]) for req, tok in zip(reqs, tokens)}
@@ -193,6 +194,9 @@ class LLMEngine:
         text = ""
         stopped_by_string = False
         for i, token in enumerate(result.token_ids):
+            if len(req.output_ids) >= req.sampling.max_new_tokens:   # max_new_tokens=0: prompt only
+                req.finish("length")
+                break
             req.output_ids.append(token)
             accepted.append(token)
             if req.sampling.return_logprob and i < len(result.logprobs):
@@ -313,6 +317,22 @@ class Engine:
 
     def shutdown(self) -> None:
         self.engine = None
+
+
+def _ban_stop_tokens_before_min_new_tokens(reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    """min_new_tokens (SGLang semantics): EOS and stop_token_ids cannot be sampled before it.
+    Returns ``logits`` itself when no request needs it, else a masked copy."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, req in enumerate(reqs):
+        if len(req.output_ids) < req.sampling.min_new_tokens:
+            banned = list(req.eos_token_ids) + req.sampling.stop_token_ids
+            rows += [i] * len(banned)
+            cols += banned
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def _as_batch(prompt, input_ids, tokenizer) -> tuple[list[list[int]], bool]:

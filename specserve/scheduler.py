@@ -106,7 +106,7 @@ class Scheduler:
                 return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self._admit(req, budget):
+            if not self._admit(req):
                 break
             self.waiting.popleft()
             budget -= self._add_prefill_chunk(batch, req, budget)
@@ -120,15 +120,22 @@ class Scheduler:
         batch.items.append(ScheduledItem(req, n, slots))
         return n
 
-    def _admit(self, req: Request, budget: int) -> bool:
-        """Match the prefix cache, take a row, check the KV budget."""
+    def _admit(self, req: Request) -> bool:
+        """Match the prefix cache, take a row, check the KV budget.
+
+        Admitted only if the KV every running request and this one may still
+        need (uncomputed tokens plus a decode reserve) fits in what is free or
+        evictable, so later chunks of a long prompt never starve. The matched
+        prefix is locked before the check: adopted, it is no room for anyone.
+        """
         slots, node = self.radix.match_prefix(req.all_ids[:-1])
-        need = min(req.seq_len - len(slots), budget)
-        reserve = sum(self._decode_reserve(r) for r in self.running) + self._decode_reserve(req)
-        if self.available_tokens() < need + reserve and self.running:
+        self.radix.lock(node)
+        need = self._future_tokens(req, len(slots)) + sum(
+            self._future_tokens(r, len(r.kv_slots)) for r in self.running)
+        if self.running and self.available_tokens() < need:
+            self.radix.unlock(node)
             return False
         self.pool.incref(self.pool.pages_of(slots))
-        self.radix.lock(node)
         req.prefix_node = node
         req.kv_slots = list(slots)
         req.num_computed = len(slots)
@@ -138,9 +145,13 @@ class Scheduler:
         self.running.append(req)
         return True
 
-    def _decode_reserve(self, req: Request) -> int:
+    def _future_tokens(self, req: Request, num_held: int) -> int:
+        """KV slots (whole pages) ``req`` may still take beyond the ``num_held`` it holds:
+        its uncomputed tokens, then up to DECODE_RESERVE_TOKENS decode steps."""
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
-        return min(max(remaining, 0), DECODE_RESERVE_TOKENS) + self.decode_width
+        tokens = req.seq_len - num_held + min(max(remaining, 0), DECODE_RESERVE_TOKENS) + self.decode_width
+        page = self.pool.page_size
+        return (-(-(num_held + tokens) // page) - -(-num_held // page)) * page
 
     def _schedule_decode(self) -> ScheduledBatch:
         batch = ScheduledBatch(is_prefill=False)
