@@ -7,9 +7,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One compute thread per process (servers started by tests inherit it): tests run
+# beside other processes, where spinning OpenMP threads slow everything down many-fold.
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("SPECSERVE_TEST_THREADS", "1"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
