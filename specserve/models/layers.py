@@ -15,8 +15,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel (it accumulates half-precision inputs in float32).
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Written out: on CPU this is several times faster than F.rms_norm for a few rows,
+        # and it is HF's arithmetic (float32 statistics, scale after casting back).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 class GatedMLP(nn.Module):
