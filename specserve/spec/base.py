@@ -149,6 +149,7 @@ class SpecWorker:
 
     def decode_step(self, engine, batch) -> dict[str, TokenResult]:
         items = batch.items
+        start = time.perf_counter()
         trees = self._plan(engine, items)
         logits = tv.verify_forward(engine, items, trees)
         logits = tv.ban_stop_tokens_before_min_new_tokens(items, trees, logits)
@@ -157,7 +158,9 @@ class SpecWorker:
         tv.compact_kv(engine, items, trees, results)
         self._record(engine, items, trees, results)
         self.proposer.on_verified(engine, items, emitted)
-        return tv.token_results(engine, items, trees, results, emitted, logits)
+        out = tv.token_results(engine, items, trees, results, emitted, logits)
+        self.policy.observe_step([t.num_nodes for t in trees], time.perf_counter() - start)  # synced above
+        return out
 
     def _plan(self, engine, items: list) -> list[DraftTree]:
         """One tree per item: the proposer's for the requests the policy picks, root-only otherwise."""

@@ -4,16 +4,19 @@ of which requests speculate.
 Speculation pays while the tokens a verify emits outweigh what the wider forward
 costs. ``c(w)`` is the target forward time at ``w`` new tokens (``CostCurve``:
 measured at startup on a tiny timing run, piecewise linear, extrapolated
-linearly). Each step, for ``bs`` decoding requests:
+linearly); ``StepCost`` turns it into a step-time estimate for a batch (padding
+of other requests' attention to the widest tree, drafting cost) and calibrates
+itself on the measured time of every decode step. Each step, for ``bs``
+decoding requests:
 
 * every request r has an estimated accept length ``alpha_r`` (tokens emitted per
   verify: EMA over its own verifies; the global EMA until it has one) and a tree
   size ``m_r`` (N, fewer near max_new_tokens; NGRAM trees may come back smaller,
   which only makes the step cheaper than planned);
 * requests are sorted by ``alpha_r``; for every prefix of that order the step's
-  throughput is ``(bs + sum(alpha_r - 1)) / (c(bs + sum(m_r - 1)) + d(k))`` with
-  ``d(k)`` the proposer's drafting cost for k requests; the best prefix wins if
-  it beats plain decoding (``bs / c(bs)``) by MARGIN, else nobody speculates;
+  throughput is ``(bs + sum(alpha_r - 1)) / step_cost(prefix)``; the best
+  prefix wins if it beats plain decoding (``bs / step_cost(none)``) by MARGIN,
+  else nobody speculates;
 * a request left out for ``backoff_r`` steps may be probed (one per step) with a
   small tree (at most PROBE_NODES nodes) so its ``alpha_r`` cannot go stale; its
   backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if an
@@ -46,6 +49,8 @@ PROBE_CREDIT_STEPS = 2.0     # credit saved up to this many steps' time
 REQUEST_EMA_WEIGHT = 0.3
 GLOBAL_EMA_WEIGHT = 0.05
 PRIOR_ALPHA = 2.0
+COST_EMA_WEIGHT = 0.1
+PAD_PRIOR = 0.1            # padded query row cost, as a share of a token's (curve slope)
 
 
 @dataclass
@@ -64,6 +69,13 @@ class CostCurve:
         i = min(bisect.bisect_left(ws, width), len(ws) - 1)
         slope = max((ts[i] - ts[i - 1]) / (ws[i] - ws[i - 1]), 0.0)
         return ts[i - 1] + slope * (width - ws[i - 1])
+
+    def slope(self) -> float:
+        """Seconds per extra token at the widest measured widths."""
+        ws, ts = self.widths, self.seconds
+        if len(ws) == 1:
+            return ts[0] / ws[0]
+        return max((ts[-1] - ts[-2]) / (ws[-1] - ws[-2]), 0.0)
 
     def describe(self) -> str:
         return ", ".join(f"{w}:{t * 1e3:.1f}ms" for w, t in zip(self.widths, self.seconds))
@@ -109,12 +121,42 @@ class RequestPolicyState:
     backoff: int = 0                # skipped steps before the next probe
 
 
+class StepCost:
+    """Predicted seconds of one decode step with ``bs`` requests, ``width`` tokens, the widest
+    request ``max_q`` tokens and ``k`` drafting requests:
+
+        scale * c(width) + pad * bs * (max_q - 1) + d(k)
+
+    ``c`` is the startup curve (one request of ``width`` tokens); ``scale`` corrects it
+    for batches of one-token requests (EMA over plain steps), ``pad`` is the cost per
+    padded query row that a wide tree imposes on every request's attention (EMA over
+    speculative steps, prior PAD_PRIOR * the curve's slope). Both learn online from
+    the step times the worker reports."""
+
+    def __init__(self, curve: CostCurve, draft_cost: Callable[[int], float]) -> None:
+        self.curve, self.draft_cost = curve, draft_cost
+        self.scale = 1.0
+        self.pad = PAD_PRIOR * curve.slope()
+
+    def __call__(self, bs: int, width: int, max_q: int, num_drafting: int) -> float:
+        draft = self.draft_cost(num_drafting) if num_drafting else 0.0
+        return self.scale * self.curve(width) + self.pad * bs * (max_q - 1) + draft
+
+    def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
+        if max_q <= 1:
+            self.scale += COST_EMA_WEIGHT * (seconds / self.curve(bs) - self.scale)
+            return
+        draft = self.draft_cost(num_drafting) if num_drafting else 0.0
+        residual = max(seconds - self.scale * self.curve(width) - draft, 0.0)
+        self.pad += COST_EMA_WEIGHT * (residual / (bs * (max_q - 1)) - self.pad)
+
+
 class SpecPolicy:
     """Chooses, per step, which requests speculate (see the module docstring)."""
 
     def __init__(self, target_cost: CostCurve, draft_cost: Callable[[int], float],
                  num_draft_tokens: int, *, is_always: bool = False) -> None:
-        self.target_cost, self.draft_cost = target_cost, draft_cost
+        self.cost = StepCost(target_cost, draft_cost)
         self.is_always = is_always      # speculate for every request (tests, accept-length benchmarks)
         self.num_draft_tokens = num_draft_tokens
         self.alpha = min(PRIOR_ALPHA, float(num_draft_tokens))
@@ -138,14 +180,21 @@ class SpecPolicy:
         self._log_change(bs, sum(size > 1 for size in sizes))
         return sizes
 
+    def observe_step(self, sizes: list[int], seconds: float) -> None:
+        """Wall time of a decode step whose trees had ``sizes`` nodes."""
+        self.cost.observe(len(sizes), sum(sizes), max(sizes), sum(n > 1 for n in sizes), seconds)
+
+    def _plain_rate(self, bs: int) -> float:
+        return bs / self.cost(bs, bs, 1, 0)
+
     def _best_prefix(self, bs: int, order: list[int], alphas: list[float], nodes: list[int]) -> int:
-        plain = bs / self.target_cost(bs)
-        best_k, best = 0, plain * (1.0 + MARGIN)
-        tokens, width = float(bs), bs
+        best_k, best = 0, self._plain_rate(bs) * (1.0 + MARGIN)
+        tokens, width, max_q = float(bs), bs, 1
         for k, i in enumerate(order, start=1):
             tokens += alphas[i] - 1.0
             width += nodes[i] - 1
-            rate = tokens / (self.target_cost(width) + self.draft_cost(k))
+            max_q = max(max_q, nodes[i])
+            rate = tokens / self.cost(bs, width, max_q, k)
             if rate > best:
                 best_k, best = k, rate
         return best_k
@@ -153,18 +202,18 @@ class SpecPolicy:
     def _probe(self, states: list[RequestPolicyState], nodes: list[int], sizes: list[int]) -> None:
         """Let the longest-skipped due request try a small tree if an all-accepted one could pay
         and the probe credit covers its extra cost."""
-        bs, width = len(states), sum(sizes)
+        bs, width, max_q = len(states), sum(sizes), max(sizes)
         num_drafting = sum(n > 1 for n in sizes)
-        step_cost = self.target_cost(width) + (self.draft_cost(num_drafting) if num_drafting else 0.0)
+        step_cost = self.cost(bs, width, max_q, num_drafting)
         self.probe_credit = min(self.probe_credit + PROBE_BUDGET * step_cost, PROBE_CREDIT_STEPS * step_cost)
         due = [i for i, s in enumerate(states) if sizes[i] == 1 and nodes[i] > 1 and s.num_skipped >= s.backoff]
         if not due:
             return
         i = max(due, key=lambda j: states[j].num_skipped)
         size = min(nodes[i], PROBE_NODES)
-        probe_cost = self.target_cost(width + size - 1) + self.draft_cost(num_drafting + 1)
+        probe_cost = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1)
         extra = probe_cost - step_cost
-        if (bs + size - 1) / probe_cost > bs / self.target_cost(bs) and extra <= self.probe_credit:
+        if (bs + size - 1) / probe_cost > self._plain_rate(bs) and extra <= self.probe_credit:
             sizes[i] = size
             self.probe_credit -= extra
             states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
@@ -190,8 +239,7 @@ class SpecPolicy:
         nodes = nodes or self.num_draft_tokens
         best = 0
         for bs in range(1, limit + 1):
-            spec = bs * alpha / (self.target_cost(bs * nodes) + self.draft_cost(bs))
-            if spec > (1.0 + MARGIN) * bs / self.target_cost(bs):
+            if bs * alpha / self.cost(bs, bs * nodes, nodes, bs) > (1.0 + MARGIN) * self._plain_rate(bs):
                 best = bs
         return best
 

@@ -76,14 +76,26 @@ def test_probe_backoff_doubles_and_caps(monkeypatch):
 def test_probes_spend_a_bounded_share_of_step_time():
     from specserve.spec.policy import PROBE_BUDGET
 
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(CostCurve([1, 64, 256], [10.0, 11.0, 40.0]), lambda k: 0.0, num_draft_tokens=12)
     states = [RequestPolicyState(alpha=1.0) for _ in range(16)]
     extra = plain = 0.0
     for _ in range(2000):
         sizes = policy.select(states, [12] * 16)
-        plain += LINEAR(16)
-        extra += LINEAR(sum(sizes)) - LINEAR(16)
+        base = policy.cost(16, 16, 1, 0)
+        plain += base
+        extra += policy.cost(16, sum(sizes), max(sizes), sum(n > 1 for n in sizes)) - base
     assert 0 < extra <= PROBE_BUDGET * plain * 1.05
+
+
+def test_step_cost_learns_scale_and_padding():
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    for _ in range(100):
+        policy.observe_step([1] * 16, 2 * LINEAR(16))                  # batches cost twice the curve
+    assert abs(policy.cost.scale - 2.0) < 0.01
+    for _ in range(100):
+        policy.observe_step([12] + [1] * 15, 2 * LINEAR(27) + 16 * 11 * 0.5)
+    assert abs(policy.cost.pad - 0.5) < 0.01
+    assert abs(policy.cost(16, 27, 12, 1) - (2 * LINEAR(27) + 88.0)) < 0.1
 
 
 def test_no_probe_when_even_full_acceptance_cannot_pay():
