@@ -28,7 +28,7 @@ from specserve.spec import target_verify as tv
 from specserve.spec.params import SpecParams
 from specserve.spec.policy import CostCurve, SpecPolicy, measure_cost_curve
 from specserve.spec.state import RequestSpecState, spec_state  # noqa: F401 (re-export)
-from specserve.spec.tree import DraftTree, depths, root_only
+from specserve.spec.tree import DraftTree, depths, root_only, truncate_tree
 from specserve.spec.verify import AcceptResult, emitted_tokens
 
 if TYPE_CHECKING:
@@ -63,7 +63,13 @@ class ProposerContext:
 
 
 class Proposer:
-    """Drafts one DraftTree per request. Subclasses override ``propose`` and the hooks they need."""
+    """Drafts one DraftTree per request. Subclasses override ``propose`` and the hooks they need.
+
+    ``is_cheap``: proposing costs next to nothing (host-side lookups), so the worker
+    proposes for every request first and lets the policy see the real tree sizes.
+    """
+
+    is_cheap = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         self.ctx, self.params = ctx, ctx.params
@@ -166,7 +172,11 @@ class SpecWorker:
         """One tree per item: the proposer's for the requests the policy picks, root-only otherwise."""
         caps = [max_tree_nodes(engine, item, self.params.num_draft_tokens) for item in items]
         states = [spec_state(item.req).policy for item in items]
-        sizes = self.policy.select(states, caps)     # drafts only where they may pay (NGRAM: <= size)
+        if self.proposer.is_cheap:                   # the policy sees the real tree sizes
+            trees = self.proposer.propose(engine, items, caps)
+            sizes = self.policy.select(states, [t.num_nodes for t in trees])
+            return [truncate_tree(t, n) if n > 1 else root_only(t.root_token) for t, n in zip(trees, sizes)]
+        sizes = self.policy.select(states, caps)     # draft only where it may pay
         picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
         skipped = [item for item, n in zip(items, sizes) if n == 1]
         drafted = iter(self.proposer.propose(engine, [i for i, _ in picked], [n for _, n in picked])

@@ -22,6 +22,7 @@ COST_EMA_WEIGHT = 0.1
 
 
 class NgramProposer(Proposer):
+    is_cheap = True
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         self.cache = NgramCache.from_server_args(ctx.server_args)

@@ -11,8 +11,8 @@ decoding requests:
 
 * every request r has an estimated accept length ``alpha_r`` (tokens emitted per
   verify: EMA over its own verifies; the global EMA until it has one) and a tree
-  size ``m_r`` (N, fewer near max_new_tokens; NGRAM trees may come back smaller,
-  which only makes the step cheaper than planned);
+  size ``m_r`` (N, fewer near max_new_tokens; for NGRAM, whose proposals are
+  host-side lookups, the size of the tree it actually matched);
 * requests are sorted by ``alpha_r``; for every prefix of that order the step's
   throughput is ``(bs + sum(alpha_r - 1)) / step_cost(prefix)``; the best
   prefix wins if it beats plain decoding (``bs / step_cost(none)``) by MARGIN,
@@ -21,8 +21,9 @@ decoding requests:
   small tree (at most PROBE_NODES nodes) so its ``alpha_r`` cannot go stale; its
   backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if an
   all-accepted probe tree could pay at this batch size, and probes spend at most
-  PROBE_BUDGET of the estimated step time (a credit that accrues each step), so
-  they cannot make a server measurably slower.
+  a budget share of the estimated step time (a credit that accrues each step):
+  2% when probes never succeed, up to 10% when they are all fully accepted (EMA
+  of probe outcomes), so useless probes cannot make a server measurably slower.
 
 So a busy server (large bs, where ``c`` grows with width) falls back to plain
 decoding, and requests whose drafts do not get accepted stop speculating, while
@@ -44,12 +45,14 @@ logger = logging.getLogger(__name__)
 MARGIN = 0.05
 PROBE_MAX_BACKOFF = 64
 PROBE_NODES = 4
-PROBE_BUDGET = 0.02          # share of step time probes may spend
+PROBE_BUDGET = (0.02, 0.10)  # share of step time probes may spend: min, and max when they all succeed
+PROBE_SUCCESS_PRIOR = 0.1
 PROBE_CREDIT_STEPS = 2.0     # credit saved up to this many steps' time
 REQUEST_EMA_WEIGHT = 0.3
 GLOBAL_EMA_WEIGHT = 0.05
 PRIOR_ALPHA = 2.0
 COST_EMA_WEIGHT = 0.1
+PROBE_EMA_WEIGHT = 0.1
 PAD_PRIOR = 0.1            # padded query row cost, as a share of a token's (curve slope)
 
 
@@ -119,19 +122,20 @@ class RequestPolicyState:
     alpha: float | None = None      # EMA of tokens per verify (None: never verified)
     num_skipped: int = 0            # consecutive steps without speculation
     backoff: int = 0                # skipped steps before the next probe
+    is_probing: bool = False        # this step's tree is a probe
 
 
 class StepCost:
     """Predicted seconds of one decode step with ``bs`` requests, ``width`` tokens, the widest
     request ``max_q`` tokens and ``k`` drafting requests:
 
-        scale * c(width) + pad * bs * (max_q - 1) + d(k)
+        scale * c(width) + pad * (bs * max_q - width) + d(k)
 
     ``c`` is the startup curve (one request of ``width`` tokens); ``scale`` corrects it
     for batches of one-token requests (EMA over plain steps), ``pad`` is the cost per
-    padded query row that a wide tree imposes on every request's attention (EMA over
-    speculative steps, prior PAD_PRIOR * the curve's slope). Both learn online from
-    the step times the worker reports."""
+    padded query row (attention pads every request to the widest one: ``bs * max_q -
+    width`` rows; EMA over speculative steps, prior PAD_PRIOR * the curve's slope).
+    Both learn online from the step times the worker reports."""
 
     def __init__(self, curve: CostCurve, draft_cost: Callable[[int], float]) -> None:
         self.curve, self.draft_cost = curve, draft_cost
@@ -140,15 +144,17 @@ class StepCost:
 
     def __call__(self, bs: int, width: int, max_q: int, num_drafting: int) -> float:
         draft = self.draft_cost(num_drafting) if num_drafting else 0.0
-        return self.scale * self.curve(width) + self.pad * bs * (max_q - 1) + draft
+        return self.scale * self.curve(width) + self.pad * (bs * max_q - width) + draft
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
         if max_q <= 1:
             self.scale += COST_EMA_WEIGHT * (seconds / self.curve(bs) - self.scale)
             return
         draft = self.draft_cost(num_drafting) if num_drafting else 0.0
+        if bs * max_q == width:       # no padding (one request, or equal widths): nothing to learn
+            return
         residual = max(seconds - self.scale * self.curve(width) - draft, 0.0)
-        self.pad += COST_EMA_WEIGHT * (residual / (bs * (max_q - 1)) - self.pad)
+        self.pad += COST_EMA_WEIGHT * (residual / (bs * max_q - width) - self.pad)
 
 
 class SpecPolicy:
@@ -162,6 +168,7 @@ class SpecPolicy:
         self.alpha = min(PRIOR_ALPHA, float(num_draft_tokens))
         self.last_state: str | None = None
         self.probe_credit = PROBE_CREDIT_STEPS * target_cost(PROBE_NODES)   # seconds
+        self.probe_success = PROBE_SUCCESS_PRIOR     # EMA: share of probes fully accepted
 
     def select(self, states: list[RequestPolicyState], nodes: list[int]) -> list[int]:
         """Tree size per request this step (1: plain decoding); ``nodes[i]`` = its full tree size."""
@@ -205,7 +212,9 @@ class SpecPolicy:
         bs, width, max_q = len(states), sum(sizes), max(sizes)
         num_drafting = sum(n > 1 for n in sizes)
         step_cost = self.cost(bs, width, max_q, num_drafting)
-        self.probe_credit = min(self.probe_credit + PROBE_BUDGET * step_cost, PROBE_CREDIT_STEPS * step_cost)
+        low, high = PROBE_BUDGET
+        budget = low + (high - low) * self.probe_success
+        self.probe_credit = min(self.probe_credit + budget * step_cost, PROBE_CREDIT_STEPS * step_cost)
         due = [i for i, s in enumerate(states) if sizes[i] == 1 and nodes[i] > 1 and s.num_skipped >= s.backoff]
         if not due:
             return
@@ -217,6 +226,7 @@ class SpecPolicy:
             sizes[i] = size
             self.probe_credit -= extra
             states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
+            states[i].is_probing = True
 
     def observe(self, state: RequestPolicyState, tokens: int, is_fully_accepted: bool = False) -> None:
         """One verify of a tree with drafts emitted ``tokens`` (accepted + bonus).
@@ -231,6 +241,9 @@ class SpecPolicy:
         if is_fully_accepted:
             state.alpha = max(state.alpha, float(tokens))
             state.backoff = 0
+        if state.is_probing:
+            self.probe_success += PROBE_EMA_WEIGHT * (float(is_fully_accepted) - self.probe_success)
+            state.is_probing = False
         self.alpha += GLOBAL_EMA_WEIGHT * (tokens - self.alpha)
 
     def max_batch_size(self, alpha: float | None = None, nodes: int | None = None, limit: int = 512) -> int:
