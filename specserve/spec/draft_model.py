@@ -26,8 +26,10 @@ Per decode step, for the requests the policy lets speculate:
 3. rerank the pool to N nodes.
 
 Requests left out of a step are not drafted; the next catch-up covers the gap.
-Prefill: the draft prefills the same chunk (and any cached prefix slots whose
-draft KV is missing) into the same slots.
+Prefill is lazy: the prefill hook only marks the slots the target wrote as stale;
+the first catch-up of a request computes the draft KV of its whole context,
+except a shared (radix) prefix whose draft KV is already valid. So requests the
+policy never lets speculate (a busy server) cost no draft compute at all.
 """
 from __future__ import annotations
 
@@ -62,17 +64,12 @@ class DraftModelProposer(Proposer):
 
     # ---- prefill ----------------------------------------------------------------------
     def on_prefill(self, engine, items: list) -> None:
-        specs = []
+        """The target wrote these slots; the draft catches up lazily, the first time the
+        policy lets the request speculate (a busy server that never speculates pays nothing)."""
         for item in items:
-            req, slots = item.req, item.req.kv_slots
-            start = self._first_invalid(slots, len(slots) - item.num_new_tokens)
-            row = self._base_row(engine, req)
-            self.runner.set_row_slots(row, 0, slots[:start])
-            specs.append(ExtendSpec(row=row, prefix_len=start, token_ids=req.all_ids[start:len(slots)],
-                                    new_slots=slots[start:]))   # (num_logits=0 everywhere breaks the runner)
-            self._mark(slots[start:], True)
-            _state(req).draft_len = len(slots)
-        self.runner.forward(specs)
+            self._mark(item.new_slots, False)
+            state = _state(item.req)
+            state.draft_len, state.needs_sync = 0, True     # (re)admitted: its draft row is stale
 
     def _first_invalid(self, slots: list[int], end: int) -> int:
         """First position < end whose draft KV is missing (``end`` if none)."""
@@ -103,10 +100,15 @@ class DraftModelProposer(Proposer):
         specs = []
         for item in items:
             req, state = item.req, _state(item.req)
+            row = self._base_row(engine, req)
+            if state.needs_sync:       # first speculation since admission: reuse valid (shared) prefix KV
+                state.draft_len = self._first_invalid(req.kv_slots, len(req.kv_slots))
+                self.runner.set_row_slots(row, 0, req.kv_slots[:state.draft_len])
+                state.needs_sync = False
             start = state.draft_len
             slots = req.kv_slots[start:] + item.new_slots[:1]
-            specs.append(ExtendSpec(row=self._base_row(engine, req), prefix_len=start,
-                                    token_ids=tail_ids(req, req.seq_len - start), new_slots=slots))
+            specs.append(ExtendSpec(row=row, prefix_len=start, token_ids=tail_ids(req, req.seq_len - start),
+                                    new_slots=slots))
             self._mark(slots, True)
             state.draft_len = req.seq_len
         return self.runner.forward(specs)
@@ -178,10 +180,11 @@ class DraftModelProposer(Proposer):
 
 
 class _DraftState:
-    __slots__ = ("draft_len",)
+    __slots__ = ("draft_len", "needs_sync")
 
     def __init__(self) -> None:
-        self.draft_len = 0     # tokens of req.all_ids whose draft KV is in the request's base row
+        self.draft_len = 0         # tokens of req.all_ids whose draft KV is in the request's base row
+        self.needs_sync = True     # base row not set up since (re)admission
 
 
 def _state(req: Request) -> _DraftState:
