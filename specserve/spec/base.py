@@ -27,7 +27,7 @@ from specserve.core import TokenResult
 from specserve.spec import target_verify as tv
 from specserve.spec.params import SpecParams
 from specserve.spec.policy import CostCurve, SpecPolicy, measure_cost_curve
-from specserve.spec.state import RequestSpecState, spec_state  # noqa: F401 (re-export)
+from specserve.spec.state import RequestSpecState, spec_state, tail_ids  # noqa: F401 (re-export)
 from specserve.spec.tree import DraftTree, depths, root_only, truncate_tree
 from specserve.spec.verify import AcceptResult, emitted_tokens
 
@@ -183,7 +183,7 @@ class SpecWorker:
                        if picked else [])
         if skipped:
             self.proposer.on_skipped(engine, skipped)
-        return [next(drafted) if n > 1 else root_only(item.req.all_ids[-1]) for item, n in zip(items, sizes)]
+        return [next(drafted) if n > 1 else root_only(tail_ids(item.req, 1)[0]) for item, n in zip(items, sizes)]
 
     def _record(self, engine, items: list, trees: list[DraftTree], results: list[AcceptResult]) -> None:
         """Stats of the verifies that carried drafts (root-only trees are plain decode steps)."""

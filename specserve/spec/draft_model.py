@@ -85,7 +85,7 @@ class DraftModelProposer(Proposer):
         pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk)
         if self.num_steps > 1:
             pool = self._grow(engine, items, pool, frontier)
-        roots = torch.tensor([item.req.all_ids[-1] for item in items])
+        roots = torch.tensor([tail_ids(item.req, 1)[0] for item in items])
         tokens, parents = (x.cpu() for x in dt.rerank(pool, roots, self.ctx.params.num_draft_tokens))
         for item in items:
             self._mark(item.new_slots[1:], False)       # the target writes tree nodes there
