@@ -11,6 +11,7 @@ import torch
 from specserve.config import ModelConfig
 from specserve.models.attention import KVCache, build_metadata
 from specserve.models.llama import LlamaForCausalLM
+from specserve.models.packed_linear import pack_linears_for_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
     model.tie_weights()
     model.load_weights(weights)
     model.init_rotary(max_position, device)
+    pack_linears_for_cpu(model)
     return model.eval()
 
 

@@ -1,0 +1,33 @@
+"""The prepacked CPU linear computes what F.linear computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.models.packed_linear import Linear, can_pack, pack_linears_for_cpu
+
+pytestmark = pytest.mark.skipif(not can_pack(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 33, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matches_f_linear(dtype, rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(64, 96, bias=bias).to(dtype)
+    x = torch.randn(rows, 64).to(dtype)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert pack_linears_for_cpu(layer) == 1
+    assert layer.packed_weight is not None
+    got = layer(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == expected.shape
+    assert torch.allclose(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_float16_and_plain_modules_are_left_alone():
+    layer = Linear(8, 8).to(torch.float16)
+    plain = torch.nn.Linear(8, 8)
+    assert pack_linears_for_cpu(torch.nn.Sequential(layer, plain)) == 0
+    assert layer.packed_weight is None
