@@ -91,6 +91,10 @@ class Proposer:
         """Estimated seconds of one ``propose`` over ``batch_size`` requests."""
         return 0.0
 
+    def max_depth(self, max_nodes: int) -> int:
+        """Depth of the deepest tree ``propose`` may return with ``max_nodes`` nodes."""
+        return max_nodes - 1
+
     def measure_cost(self) -> None:
         """Optional startup timing for ``draft_cost``."""
 
@@ -174,9 +178,10 @@ class SpecWorker:
         states = [spec_state(item.req).policy for item in items]
         if self.proposer.is_cheap:                   # the policy sees the real tree sizes
             trees = self.proposer.propose(engine, items, caps)
-            sizes = self.policy.select(states, [t.num_nodes for t in trees])
+            sizes = self.policy.select(states, [t.num_nodes for t in trees], [tree_depth(t) for t in trees])
             return [truncate_tree(t, n) if n > 1 else root_only(t.root_token) for t, n in zip(trees, sizes)]
-        sizes = self.policy.select(states, caps)     # draft only where it may pay
+        depth_caps = [self.proposer.max_depth(cap) for cap in caps]
+        sizes = self.policy.select(states, caps, depth_caps)     # draft only where it may pay
         picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
         skipped = [item for item, n in zip(items, sizes) if n == 1]
         drafted = iter(self.proposer.propose(engine, [i for i, _ in picked], [n for _, n in picked])
@@ -197,8 +202,7 @@ class SpecWorker:
             engine.stats.spec_accepted_tokens += res.accept_len
             self.accept_histogram[res.accept_len] += 1
             self.num_draft_tokens_verified += tree.num_nodes - 1
-            is_full = res.accept_len == int(depths(tree.parents).max())
-            self.policy.observe(spec_state(req).policy, res.accept_len + 1, is_full)
+            self.policy.observe(spec_state(req).policy, res.accept_len, tree_depth(tree))
 
     def server_info(self) -> dict[str, Any]:
         p = self.params
@@ -206,8 +210,12 @@ class SpecWorker:
                 "spec_draft_tokens": self.num_draft_tokens_verified,
                 "speculative_num_steps": p.num_steps, "speculative_eagle_topk": p.topk,
                 "speculative_num_draft_tokens": p.num_draft_tokens,
-                "spec_policy": {"accept_length_ema": self.policy.alpha,
+                "spec_policy": {"accept_rate": self.policy.global_rate, "calibration": self.policy.calibration,
                                 "max_batch_size": self.policy.max_batch_size()}}
+
+
+def tree_depth(tree: DraftTree) -> int:
+    return int(depths(tree.parents).max())
 
 
 def max_tree_nodes(engine, item, num_draft_tokens: int) -> int:

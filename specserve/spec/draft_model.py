@@ -174,6 +174,9 @@ class DraftModelProposer(Proposer):
 
         self.cost = measure_cost_curve(forward, [1, 16], [4, 64], DRAFT_COST_BUDGET_S, sync_fn(self.runner.device))
 
+    def max_depth(self, max_nodes: int) -> int:
+        return min(self.num_steps, max_nodes - 1)
+
     def draft_cost(self, batch_size: int) -> float:
         """Catch-up (about 2 tokens per request) plus S - 1 frontier forwards of K tokens each."""
         return self.cost(2 * batch_size) + (self.num_steps - 1) * self.cost(batch_size * self.topk)

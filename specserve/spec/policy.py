@@ -9,18 +9,29 @@ of other requests' attention to the widest tree, drafting cost) and calibrates
 itself on the measured time of every decode step. Each step, for ``bs``
 decoding requests:
 
-* every request r has an estimated accept length ``alpha_r`` (tokens emitted per
-  verify: EMA over its own verifies; the global EMA until it has one) and a tree
-  size ``m_r`` (N, fewer near max_new_tokens; for NGRAM, whose proposals are
-  host-side lookups, the size of the tree it actually matched);
-* requests are sorted by ``alpha_r``; for every prefix of that order the step's
+* every request r has a tree of ``m_r`` nodes and depth ``D_r`` (N and S, fewer
+  near max_new_tokens; for NGRAM, whose proposals are host-side lookups, the
+  tree it actually matched) and a per-token acceptance rate ``p_r``, so its
+  expected tokens per verify are ``alpha_r = 1 + p + ... + p^D`` (a geometric
+  model: exact for chains, an approximation for trees). ``p_r`` = accepted drafts
+  / (accepted drafts + rejections) over its recent verifies (decayed counts), a
+  fully accepted tree counting no rejection, shrunk towards the global rate
+  (PRIOR_WEIGHT pseudo-verifies); so a small fully accepted probe raises the
+  estimate for a deep tree without jumping to it. The model is then calibrated:
+  predicted extra tokens are scaled by (accepted drafts) / (predicted extra
+  tokens) over recent verifies, which corrects it where it is optimistic (wide
+  shallow NGRAM trees, whose sibling acceptances say little about depth);
+* requests with a history are sorted by ``alpha_r`` (a new request is only probed
+  first: the global rate comes from the requests that were picked, a biased
+  prior); for every prefix of that order the step's
   throughput is ``(bs + sum(alpha_r - 1)) / step_cost(prefix)``; the best
   prefix wins if it beats plain decoding (``bs / step_cost(none)``) by MARGIN,
   else nobody speculates;
 * a request left out for ``backoff_r`` steps may be probed (one per step) with a
-  small tree (at most PROBE_NODES nodes) so its ``alpha_r`` cannot go stale; its
-  backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if an
-  all-accepted probe tree could pay at this batch size, and probes spend at most
+  small tree (at most PROBE_NODES nodes) so its ``p_r`` cannot go stale; its
+  backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if the
+  request's full tree, all accepted, would be picked at this batch size (else the
+  probe could never change a decision), and probes spend at most
   a budget share of the estimated step time (a credit that accrues each step):
   2% when probes never succeed, up to 10% when they are all fully accepted (EMA
   of probe outcomes), so useless probes cannot make a server measurably slower.
@@ -47,10 +58,12 @@ PROBE_MAX_BACKOFF = 64
 PROBE_NODES = 4
 PROBE_BUDGET = (0.02, 0.10)  # share of step time probes may spend: min, and max when they all succeed
 PROBE_SUCCESS_PRIOR = 0.1
-PROBE_CREDIT_STEPS = 2.0     # credit saved up to this many steps' time
-REQUEST_EMA_WEIGHT = 0.3
-GLOBAL_EMA_WEIGHT = 0.05
-PRIOR_ALPHA = 2.0
+PROBE_CREDIT_PROBES = 2.0    # credit saved up to this many probes' extra cost
+REQUEST_DECAY = 0.7          # per verify, on a request's counts
+GLOBAL_DECAY = 0.98
+PRIOR_RATE = 0.5
+PRIOR_WEIGHT = 2.0           # pseudo-verifies of the global rate in a request's estimate
+CALIBRATION_PRIOR = 2.0      # pseudo extra tokens, realized = predicted
 COST_EMA_WEIGHT = 0.1
 PROBE_EMA_WEIGHT = 0.1
 PAD_PRIOR = 0.1            # padded query row cost, as a share of a token's (curve slope)
@@ -119,10 +132,16 @@ def _monotone(seconds: list[float]) -> list[float]:
 
 @dataclass
 class RequestPolicyState:
-    alpha: float | None = None      # EMA of tokens per verify (None: never verified)
+    accepted: float = 0.0           # decayed count of accepted draft tokens
+    rejected: float = 0.0           # decayed count of verifies that stopped before a leaf
     num_skipped: int = 0            # consecutive steps without speculation
     backoff: int = 0                # skipped steps before the next probe
     is_probing: bool = False        # this step's tree is a probe
+    predicted: float = 0.0          # extra tokens the policy expected from this step's tree
+
+    @property
+    def has_history(self) -> bool:
+        return self.accepted + self.rejected > 0.0
 
 
 class StepCost:
@@ -157,6 +176,12 @@ class StepCost:
         self.pad += COST_EMA_WEIGHT * (residual / (bs * max_q - width) - self.pad)
 
 
+def expected_tokens(rate: float, depth: int) -> float:
+    """Tokens a verify emits when each draft token along a path of ``depth`` is accepted
+    with probability ``rate``: 1 + rate + ... + rate^depth."""
+    return sum(rate ** j for j in range(depth + 1))
+
+
 class SpecPolicy:
     """Chooses, per step, which requests speculate (see the module docstring)."""
 
@@ -165,27 +190,52 @@ class SpecPolicy:
         self.cost = StepCost(target_cost, draft_cost)
         self.is_always = is_always      # speculate for every request (tests, accept-length benchmarks)
         self.num_draft_tokens = num_draft_tokens
-        self.alpha = min(PRIOR_ALPHA, float(num_draft_tokens))
+        self.accepted, self.rejected = PRIOR_RATE * PRIOR_WEIGHT, (1 - PRIOR_RATE) * PRIOR_WEIGHT   # global
+        self.realized_extra, self.predicted_extra = CALIBRATION_PRIOR, CALIBRATION_PRIOR  # decayed sums
         self.last_state: str | None = None
-        self.probe_credit = PROBE_CREDIT_STEPS * target_cost(PROBE_NODES)   # seconds
+        self.probe_credit = float("inf")             # seconds; capped at PROBE_CREDIT_PROBES probes
         self.probe_success = PROBE_SUCCESS_PRIOR     # EMA: share of probes fully accepted
 
-    def select(self, states: list[RequestPolicyState], nodes: list[int]) -> list[int]:
-        """Tree size per request this step (1: plain decoding); ``nodes[i]`` = its full tree size."""
+    def select(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int]) -> list[int]:
+        """Tree size per request this step (1: plain decoding); ``nodes[i]`` / ``depths[i]`` = its
+        full tree's size and depth."""
         bs = len(states)
         if self.is_always:
+            for state, depth in zip(states, depths):
+                state.predicted = expected_tokens(self.rate(state), depth) - 1.0
             return list(nodes)
-        alphas = [s.alpha if s.alpha is not None else self.alpha for s in states]
-        order = sorted((i for i in range(bs) if nodes[i] > 1), key=lambda i: -alphas[i])
+        calibration = self.calibration
+        alphas = [1.0 + calibration * (expected_tokens(self.rate(s), d) - 1.0) for s, d in zip(states, depths)]
+        order = sorted((i for i in range(bs) if nodes[i] > 1 and states[i].has_history), key=lambda i: -alphas[i])
         k = self._best_prefix(bs, order, alphas, nodes)
         sizes = [1] * bs
         for i in order[:k]:
             sizes[i] = nodes[i]
-        self._probe(states, nodes, sizes)
-        for state, size in zip(states, sizes):
+        self._probe(states, nodes, depths, sizes)
+        for state, size, depth in zip(states, sizes, depths):
             state.num_skipped = 0 if size > 1 else state.num_skipped + 1
+            state.predicted = expected_tokens(self.rate(state), min(depth, size - 1)) - 1.0
         self._log_change(bs, sum(size > 1 for size in sizes))
         return sizes
+
+    @property
+    def calibration(self) -> float:
+        """Realized / predicted extra tokens per verify over recent verifies."""
+        return self.realized_extra / self.predicted_extra
+
+    @property
+    def global_rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def alpha(self) -> float:
+        """Expected tokens per verify of a full-depth chain at the global rate, calibrated (logs)."""
+        return 1.0 + self.calibration * (expected_tokens(self.global_rate, max(self.num_draft_tokens - 1, 1)) - 1.0)
+
+    def rate(self, state: RequestPolicyState) -> float:
+        """The request's acceptance rate per draft token, shrunk towards the global one."""
+        return ((state.accepted + PRIOR_WEIGHT * self.global_rate)
+                / (state.accepted + state.rejected + PRIOR_WEIGHT))
 
     def observe_step(self, sizes: list[int], seconds: float) -> None:
         """Wall time of a decode step whose trees had ``sizes`` nodes."""
@@ -206,48 +256,48 @@ class SpecPolicy:
                 best_k, best = k, rate
         return best_k
 
-    def _probe(self, states: list[RequestPolicyState], nodes: list[int], sizes: list[int]) -> None:
-        """Let the longest-skipped due request try a small tree if an all-accepted one could pay
-        and the probe credit covers its extra cost."""
+    def _probe(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int],
+               sizes: list[int]) -> None:
+        """Let the longest-skipped due request try a small tree, if its full tree, all accepted,
+        would be picked at this batch size (else what a probe learns is useless) and the probe
+        credit covers the probe's extra cost."""
         bs, width, max_q = len(states), sum(sizes), max(sizes)
         num_drafting = sum(n > 1 for n in sizes)
         step_cost = self.cost(bs, width, max_q, num_drafting)
         low, high = PROBE_BUDGET
-        budget = low + (high - low) * self.probe_success
-        self.probe_credit = min(self.probe_credit + budget * step_cost, PROBE_CREDIT_STEPS * step_cost)
+        self.probe_credit += (low + (high - low) * self.probe_success) * step_cost
         due = [i for i, s in enumerate(states) if sizes[i] == 1 and nodes[i] > 1 and s.num_skipped >= s.backoff]
         if not due:
             return
         i = max(due, key=lambda j: states[j].num_skipped)
-        size = min(nodes[i], PROBE_NODES)
-        probe_cost = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1)
-        extra = probe_cost - step_cost
-        if (bs + size - 1) / probe_cost > self._plain_rate(bs) and extra <= self.probe_credit:
+        full, size = nodes[i], min(nodes[i], PROBE_NODES)
+        best_case = (bs + depths[i]) / self.cost(bs, width + full - 1, max(max_q, full), num_drafting + 1)
+        extra = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1) - step_cost
+        self.probe_credit = min(self.probe_credit, PROBE_CREDIT_PROBES * extra)
+        if best_case > (1.0 + MARGIN) * self._plain_rate(bs) and extra <= self.probe_credit:
             sizes[i] = size
             self.probe_credit -= extra
             states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
             states[i].is_probing = True
 
-    def observe(self, state: RequestPolicyState, tokens: int, is_fully_accepted: bool = False) -> None:
-        """One verify of a tree with drafts emitted ``tokens`` (accepted + bonus).
-
-        A fully accepted tree only bounds the accept length from below (a bigger tree
-        might have given more): the request's estimate jumps up to it at once and its
-        probe backoff restarts, so a request that starts copying is noticed quickly."""
-        if state.alpha is None:
-            state.alpha = float(tokens)
-        else:
-            state.alpha += REQUEST_EMA_WEIGHT * (tokens - state.alpha)
-        if is_fully_accepted:
-            state.alpha = max(state.alpha, float(tokens))
+    def observe(self, state: RequestPolicyState, accept_len: int, depth: int) -> None:
+        """One verify of a tree of ``depth`` that accepted ``accept_len`` draft tokens."""
+        is_full = accept_len >= depth
+        state.accepted = REQUEST_DECAY * state.accepted + accept_len
+        state.rejected = REQUEST_DECAY * state.rejected + (0.0 if is_full else 1.0)
+        self.accepted = GLOBAL_DECAY * self.accepted + accept_len
+        self.rejected = GLOBAL_DECAY * self.rejected + (0.0 if is_full else 1.0)
+        if is_full:
             state.backoff = 0
         if state.is_probing:
-            self.probe_success += PROBE_EMA_WEIGHT * (float(is_fully_accepted) - self.probe_success)
+            self.probe_success += PROBE_EMA_WEIGHT * (float(is_full) - self.probe_success)
             state.is_probing = False
-        self.alpha += GLOBAL_EMA_WEIGHT * (tokens - self.alpha)
+        self.realized_extra = GLOBAL_DECAY * self.realized_extra + accept_len
+        self.predicted_extra = GLOBAL_DECAY * self.predicted_extra + state.predicted
 
     def max_batch_size(self, alpha: float | None = None, nodes: int | None = None, limit: int = 512) -> int:
-        """Largest batch size at which all requests speculate, for ``alpha`` (0: never)."""
+        """Largest batch size at which all requests speculate with full chains, for ``alpha``
+        tokens per verify (default: the global rate's; 0: never)."""
         alpha = self.alpha if alpha is None else alpha
         nodes = nodes or self.num_draft_tokens
         best = 0
@@ -259,6 +309,6 @@ class SpecPolicy:
     def _log_change(self, bs: int, num_on: int) -> None:
         state = "all" if num_on == bs else ("none" if num_on == 0 else "some")
         if state != self.last_state:
-            logger.info("speculation: %s of %d requests speculate (%d; global accept len %.2f)",
-                        state, bs, num_on, self.alpha)
+            logger.info("speculation: %s of %d requests speculate (%d; global accept rate %.2f)",
+                        state, bs, num_on, self.global_rate)
             self.last_state = state

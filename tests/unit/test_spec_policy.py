@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specserve.spec.policy import (PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve, RequestPolicyState, SpecPolicy,
-                                   measure_cost_curve)
+                                   expected_tokens, measure_cost_curve)
 
 # memory-bound up to 16 tokens, then linear (a GPU-like curve, in ms)
 FLAT_THEN_LINEAR = CostCurve([1, 16, 64, 256], [10.0, 11.0, 30.0, 110.0])
@@ -10,8 +10,13 @@ FLAT_THEN_LINEAR = CostCurve([1, 16, 64, 256], [10.0, 11.0, 30.0, 110.0])
 LINEAR = CostCurve([1, 4, 16, 64], [10.0, 20.0, 50.0, 170.0])
 
 
-def _states(n, alpha):
-    return [RequestPolicyState(alpha=alpha, backoff=10**6) for _ in range(n)]
+def _state(rate, backoff=10**6):
+    """A request with a long, confident history at acceptance ``rate`` per draft token."""
+    return RequestPolicyState(accepted=100.0 * rate, rejected=100.0 * (1 - rate), backoff=backoff)
+
+
+def _states(n, rate):
+    return [_state(rate) for _ in range(n)]
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -23,41 +28,41 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 def test_speculates_when_small_batch_and_good_acceptance():
     policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    assert policy.select(_states(1, 3.0), [4]) == [4]
-    assert policy.select(_states(4, 3.0), [4] * 4) == [4] * 4
+    assert policy.select(_states(1, 0.8), [4], [3]) == [4]
+    assert policy.select(_states(4, 0.8), [4] * 4, [3] * 4) == [4] * 4
 
 
 def test_busy_server_falls_back_to_plain():
     policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
-    sizes = policy.select(_states(64, 2.0), [12] * 64)
+    sizes = policy.select(_states(64, 0.5), [12] * 64, [11] * 64)
     assert sizes.count(12) < 64 and set(sizes) <= {1, 12}
-    assert policy.select(_states(256, 2.0), [12] * 256) == [1] * 256
+    assert policy.select(_states(256, 0.5), [12] * 256, [11] * 256) == [1] * 256
     assert 0 < policy.max_batch_size(alpha=2.0) < 64
 
 
 def test_compute_bound_needs_high_acceptance():
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    assert policy.select(_states(1, 1.5), [4]) == [1]   # c(4) = 2 c(1) > 1.5 c(1)
-    assert policy.select(_states(1, 3.0), [4]) == [4]
+    assert policy.select(_states(1, 0.3), [4], [3]) == [1]   # c(4) = 2 c(1) > 1.42 c(1)
+    assert policy.select(_states(1, 0.8), [4], [3]) == [4]
 
 
 def test_best_requests_speculate_first():
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    states = _states(4, 1.1)
-    states[2].alpha = 4.0
-    assert policy.select(states, [4] * 4) == [1, 1, 4, 1]
+    states = _states(4, 0.05)
+    states[2] = _state(0.95)
+    assert policy.select(states, [4] * 4, [3] * 4) == [1, 1, 4, 1]
 
 
 def test_draft_cost_counts():
     free = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
     costly = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 30.0 * k, num_draft_tokens=4)
-    assert free.select(_states(1, 2.0), [4]) == [4]
-    assert costly.select(_states(1, 2.0), [4]) == [1]
+    assert free.select(_states(1, 0.5), [4], [3]) == [4]
+    assert costly.select(_states(1, 0.5), [4], [3]) == [1]
 
 
 def test_root_only_trees_never_count():
     policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    assert policy.select(_states(2, 3.0), [1, 4]) == [1, 4]
+    assert policy.select(_states(2, 0.8), [1, 4], [0, 3]) == [1, 4]
 
 
 def test_probe_backoff_doubles_and_caps(monkeypatch):
@@ -65,8 +70,8 @@ def test_probe_backoff_doubles_and_caps(monkeypatch):
 
     monkeypatch.setattr(policy_module, "PROBE_BUDGET", (1.0, 1.0))     # credit is never the limit here
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    state = RequestPolicyState(alpha=1.0)
-    sizes = [policy.select([state], [12])[0] for _ in range(300)]
+    state = _state(0.0, backoff=0)
+    sizes = [policy.select([state], [12], [11])[0] for _ in range(300)]
     probes = [i for i, n in enumerate(sizes) if n > 1]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 0 and gaps[:4] == [3, 5, 9, 17] and max(gaps) == PROBE_MAX_BACKOFF + 1
@@ -77,13 +82,13 @@ def test_probes_spend_a_bounded_share_of_step_time():
     from specserve.spec.policy import PROBE_BUDGET
 
     policy = SpecPolicy(CostCurve([1, 64, 256], [10.0, 11.0, 40.0]), lambda k: 0.0, num_draft_tokens=12)
-    states = [RequestPolicyState(alpha=1.0) for _ in range(16)]
+    states = [_state(0.0, backoff=0) for _ in range(16)]
     extra = plain = 0.0
     for _ in range(2000):
-        sizes = policy.select(states, [12] * 16)
+        sizes = policy.select(states, [12] * 16, [11] * 16)
         for state, n in zip(states, sizes):
             if n > 1:
-                policy.observe(state, 1)                         # every probe fails
+                policy.observe(state, 0, 3)                      # every probe fails
         base = policy.cost(16, 16, 1, 0)
         plain += base
         extra += policy.cost(16, sum(sizes), max(sizes), sum(n > 1 for n in sizes)) - base
@@ -104,31 +109,50 @@ def test_step_cost_learns_scale_and_padding():
 
 def test_no_probe_when_even_full_acceptance_cannot_pay():
     policy = SpecPolicy(LINEAR, lambda k: 1000.0, num_draft_tokens=4)
-    state = RequestPolicyState(alpha=None)
-    assert all(policy.select([state], [4])[0] == 1 for _ in range(100))
+    state = RequestPolicyState()
+    assert all(policy.select([state], [4], [3])[0] == 1 for _ in range(100))
 
 
 def test_observe_updates_request_and_global_estimates():
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
     state = RequestPolicyState()
-    policy.observe(state, 4)
-    assert state.alpha == 4.0 and policy.alpha > 2.0
-    policy.observe(state, 1)
-    assert 1.0 < state.alpha < 4.0
+    prior = policy.rate(state)
+    policy.observe(state, 3, 3)                       # fully accepted: 3 accepted, no rejection
+    assert policy.rate(state) > prior and policy.global_rate > 0.5
+    high = policy.rate(state)
+    policy.observe(state, 0, 3)                       # rejected at once
+    assert policy.rate(state) < high
 
 
-def test_fully_accepted_probe_raises_estimate_at_once():
+def test_small_full_probe_does_not_jump_to_a_deep_tree():
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
-    state = RequestPolicyState(alpha=1.0, backoff=32)
-    policy.observe(state, 4, is_fully_accepted=True)
-    assert state.alpha == 4.0 and state.backoff == 0
-    policy.observe(state, 1)
-    assert state.alpha < 4.0
+    state = RequestPolicyState(accepted=0.3, rejected=3.0, backoff=32)   # recent rejections
+    policy.observe(state, 3, 3)
+    assert state.backoff == 0
+    assert 1.2 < expected_tokens(policy.rate(state), 11) < 4.0
+
+
+def test_calibration_corrects_optimistic_predictions():
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    states = [_state(0.9) for _ in range(4)]
+    assert policy.select(states, [12] * 4, [11] * 4) == [12] * 4
+    for _ in range(200):                         # the rate says ~6 extra tokens, reality gives 0
+        policy.select(states, [12] * 4, [11] * 4)
+        for state in states:
+            policy.observe(state, 0, 1)          # (depth 1 trees: "fully" rejected, rate stays high)
+            state.accepted, state.rejected = 90.0, 10.0
+    assert policy.calibration < 0.1
+    assert policy.select(states, [12] * 4, [11] * 4) == [1] * 4
+
+
+def test_expected_tokens_geometric():
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
 
 
 def test_always_mode():
     policy = SpecPolicy(LINEAR, lambda k: 1e9, num_draft_tokens=4, is_always=True)
-    assert policy.select(_states(3, 1.0), [4, 1, 2]) == [4, 1, 2]
+    assert policy.select(_states(3, 0.0), [4, 1, 2], [3, 0, 1]) == [4, 1, 2]
 
 
 def test_measure_cost_curve_is_monotone_and_respects_budget():
