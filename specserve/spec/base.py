@@ -126,8 +126,9 @@ def measure_target_cost(ctx: ProposerContext, budget_s: float = TARGET_COST_BUDG
     from specserve.runner.model_runner import ExtendSpec
 
     runner, pool = ctx.target_runner, ctx.pool
-    required = [w for w in COST_WIDTHS_REQUIRED if w <= pool.num_free_tokens]
-    optional = [w for w in COST_WIDTHS_OPTIONAL if w <= pool.num_free_tokens]
+    limit = min(pool.num_free_tokens, ctx.context_len)       # slots, row length, rotary positions
+    required = [w for w in COST_WIDTHS_REQUIRED if w <= limit] or [1]
+    optional = [w for w in COST_WIDTHS_OPTIONAL if w <= limit]
 
     def forward(width: int) -> None:
         slots = pool.extend_slots([], width)

@@ -172,7 +172,10 @@ class DraftModelProposer(Proposer):
             self.runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * width, new_slots=slots)])
             self._mark(slots, False)            # ...because they are marked stale afterwards
 
-        self.cost = measure_cost_curve(forward, [1, 16], [4, 64], DRAFT_COST_BUDGET_S, sync_fn(self.runner.device))
+        limit = min(self.num_target_slots, self.ctx.context_len)
+        self.cost = measure_cost_curve(forward, [w for w in (1, 16) if w <= limit] or [1],
+                                       [w for w in (4, 64) if w <= limit], DRAFT_COST_BUDGET_S,
+                                       sync_fn(self.runner.device))
 
     def max_depth(self, max_nodes: int) -> int:
         return min(self.num_steps, max_nodes - 1)

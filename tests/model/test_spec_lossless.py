@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from specserve.core import SamplingParams
 from specserve.engine import Engine
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "eval"
@@ -155,7 +156,7 @@ def test_logprobs_match_plain(engines, prompt_ids):
     core_plain, core_spec = engines["plain"].engine, engines["SELF"].engine
     results = []
     for core in (core_plain, core_spec):
-        rid = core.add_request(None, prompt_ids[1], __import__("specserve.core").core.SamplingParams(**params))
+        rid = core.add_request(None, prompt_ids[1], SamplingParams(**params))
         logprobs, tops = [], []
         while core.has_unfinished():
             for out in core.step():

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -49,8 +48,8 @@ def always_speculate():
 
 
 def _engine(model: str, **kwargs) -> Engine:
-    return Engine(model_path=model, dtype="float32", max_total_tokens=8192, context_length=256,
-                  max_running_requests=64, **kwargs)
+    settings = dict({"max_total_tokens": 8192, "context_length": 256}, **kwargs)
+    return Engine(model_path=model, dtype="float32", max_running_requests=64, **settings)
 
 
 def _spec_kwargs(kind: str, draft: str) -> dict:
@@ -187,3 +186,38 @@ def test_greedy_equals_plain_under_batching(tiny_dirs, kind, page_size, chunk):
     assert spec == plain
     assert again == plain
     assert spec_engine.engine.stats.spec_verify_ct > 0
+
+
+def _with_preemption(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """All requests at once; one is aborted, and three decoding requests are retracted
+    (preempted: KV freed, recomputed later) at fixed steps."""
+    core = engine.engine
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    rids = [core.add_request(None, ids, params) for ids in prompts]
+    outputs: dict[str, list[int]] = {rid: [] for rid in rids}
+    step = num_retracted = 0
+    while core.has_unfinished():
+        for out in core.step():
+            outputs[out.rid].extend(out.new_token_ids)
+        step += 1
+        if step == 5:
+            core.abort_request(rids[3])
+        victim = core.scheduler.running[-1] if len(core.scheduler.running) > 1 else None
+        if step in (9, 15, 23) and victim is not None and victim.num_computed == victim.seq_len - 1:
+            core.scheduler.retract(victim)
+            num_retracted += 1
+    assert num_retracted == 3
+    usage = core.kv_usage()
+    assert usage["free"] + usage["evictable"] == usage["total"], usage
+    return [outputs[rid] for i, rid in enumerate(rids) if i != 3]
+
+
+@pytest.mark.parametrize("kind", ["tree", "ngram"])
+def test_greedy_equals_plain_with_aborts_and_retractions(tiny_dirs, kind):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist()
+               for n in torch.randint(40, 70, (12,), generator=g)]
+    settings = {"max_total_tokens": 600, "context_length": 160}
+    plain = _with_preemption(_engine(tiny_dirs[0], **settings), prompts)
+    spec = _with_preemption(_engine(tiny_dirs[0], **settings, **_spec_kwargs(kind, tiny_dirs[1])), prompts)
+    assert spec == plain
