@@ -12,7 +12,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.cache.radix import RadixCache
 from specserve.config import ServerArgs
-from specserve.core import Request, SamplingParams, StepOutput, TokenResult, new_rid  # noqa: F401
+from specserve.core import Request, SamplingParams, StepOutput, TokenResult, new_rid
 from specserve.engine_setup import EngineParts, build_engine_parts
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.sampler import SamplingBatch, compute_logprobs, sample

@@ -12,7 +12,7 @@ from specserve.cache.block_pool import BlockPool
 from specserve.cache.radix import RadixCache
 from specserve.config import ConfigError, ModelConfig, ServerArgs
 from specserve.loading.loader import read_checkpoint, resolve_model_path
-from specserve.models.attention import KVCache
+from specserve.models.attention import KVCache, get_backend
 from specserve.runner.memory import plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype
 from specserve.scheduler import Scheduler
@@ -67,9 +67,14 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
             raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small to serve any request")
         logger.warning("context length lowered to %d to fit --max-total-tokens", context_len)
     max_running = args.max_running_requests or DEFAULT_MAX_RUNNING["cuda" if device.startswith("cuda") else "cpu"]
+    try:
+        backend = get_backend(args.attention_backend)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     runner = ModelRunner(cfg, weights, dtype=dtype, device=device, max_position=context_len + spec_width + 1,
                          num_kv_slots=num_pages * args.page_size, page_size=args.page_size,
                          max_rows=max_running, max_row_len=context_len + spec_width + args.page_size)
+    runner.model.backend = backend
     pool = BlockPool(num_pages, args.page_size)
     radix = RadixCache(pool, disabled=args.disable_radix_cache)
     scheduler = Scheduler(pool, radix, max_running_requests=max_running,
