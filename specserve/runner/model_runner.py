@@ -69,9 +69,15 @@ class ModelRunner:
                                                                             device=self.device)
 
     @torch.inference_mode()
-    def forward(self, specs: list[ExtendSpec], return_hidden: bool = False):
-        """One forward over every spec. Returns logits [sum(num_logits), V]
-        (and the final hidden states of those rows when ``return_hidden``)."""
+    def forward(self, specs: list[ExtendSpec], features: str | None = None):
+        """One forward over every spec. Returns logits [sum(num_logits), V].
+
+        ``features`` also returns the target features of every new token (all rows,
+        in spec order), as the EAGLE-family drafts consume them:
+        ``"final"``: the final-normed hidden states [T, H] (EAGLE, NEXTN);
+        ``"aux"``: the inputs of the layers in ``model.aux_layer_ids``, concatenated
+        [T, len(aux) * H] (EAGLE3). Returns ``(logits, features)`` then.
+        """
         input_ids, positions, out_loc, logit_rows = self._flatten(specs)
         for spec in specs:
             self.set_row_slots(spec.row, spec.prefix_len, spec.new_slots)
@@ -80,11 +86,18 @@ class ModelRunner:
                               self.req_to_token.index_select(0, rows), out_loc,
                               [s.tree_mask for s in specs], self.num_kv_groups)
         out = self.model(input_ids, positions, self.kv_cache, meta)
-        hidden = out[0] if isinstance(out, tuple) else out
-        if logit_rows is not None:
-            hidden = hidden.index_select(0, logit_rows)
-        logits = self.model.compute_logits(hidden)
-        return (logits, hidden) if return_hidden else logits
+        hidden, aux = out if isinstance(out, tuple) else (out, [])
+        selected = hidden if logit_rows is None else hidden.index_select(0, logit_rows)
+        logits = self.model.compute_logits(selected)
+        if features is None:
+            return logits
+        if features == "final":
+            return logits, hidden
+        if features == "aux":
+            if not aux:
+                raise ValueError("features='aux' needs model.aux_layer_ids")
+            return logits, torch.cat(aux, dim=-1)
+        raise ValueError(f"unknown features kind {features!r}")
 
     def _flatten(self, specs: list[ExtendSpec]):
         ids: list[int] = []
