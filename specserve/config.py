@@ -177,6 +177,11 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
 
+    @property
+    def num_nextn_predict_layers(self) -> int:
+        """MTP/NEXTN layers shipped in the checkpoint after the decoder layers (DeepSeek-V3, MiMo)."""
+        return int(self.extra.get("num_nextn_predict_layers") or 0)
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
@@ -198,7 +203,8 @@ class ModelConfig:
             rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            attention_bias=cfg.get("attention_bias", model_type in ("qwen2", "mimo")
+                                   or arch == "MiMoForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             qk_norm=model_type in ("qwen3",) or cfg.get("qk_norm", False),
             bos_token_id=cfg.get("bos_token_id"),

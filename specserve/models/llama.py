@@ -20,14 +20,17 @@ from specserve.models.weights import StrictLoader
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    """``input_size``: width of the q/k/v projections' input (default hidden_size; EAGLE-3's 2H)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, input_size: int | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(input_size or cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -48,10 +51,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, input_size: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, input_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
@@ -110,14 +113,30 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
         loader = StrictLoader(self)
-        q, kv, inter = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
-                        cfg.intermediate_size)
-        loader.add_fused("self_attn.q_proj", "self_attn.qkv_proj", 0, q)
-        loader.add_fused("self_attn.k_proj", "self_attn.qkv_proj", q, kv)
-        loader.add_fused("self_attn.v_proj", "self_attn.qkv_proj", q + kv, kv)
-        loader.add_fused("mlp.gate_proj", "mlp.gate_up_proj", 0, inter)
-        loader.add_fused("mlp.up_proj", "mlp.gate_up_proj", inter, inter)
+        add_fused_decoder_weights(loader, cfg)
         loader.ignore_suffix("rotary_emb.inv_freq")
         if cfg.tie_word_embeddings:
             loader.ignore("lm_head.weight")   # HF semantics: tied models ignore a stored head
+        mtp_prefixes = mtp_weight_prefixes(cfg)   # the NEXTN draft's layers, loaded by models/mtp.py
+        if mtp_prefixes:
+            named_tensors = ((n, t) for n, t in named_tensors if not n.startswith(mtp_prefixes))
         loader.load(named_tensors)
+
+
+def add_fused_decoder_weights(loader: StrictLoader, cfg: ModelConfig) -> None:
+    """Map HF's separate q/k/v and gate/up projections onto the fused parameters."""
+    q, kv, inter = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                    cfg.intermediate_size)
+    loader.add_fused("self_attn.q_proj", "self_attn.qkv_proj", 0, q)
+    loader.add_fused("self_attn.k_proj", "self_attn.qkv_proj", q, kv)
+    loader.add_fused("self_attn.v_proj", "self_attn.qkv_proj", q + kv, kv)
+    loader.add_fused("mlp.gate_proj", "mlp.gate_up_proj", 0, inter)
+    loader.add_fused("mlp.up_proj", "mlp.gate_up_proj", inter, inter)
+
+
+def mtp_weight_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
+    """Key prefixes of the MTP/NEXTN layers a target checkpoint carries (``num_nextn_predict_layers``):
+    DeepSeek-V3 layout ``model.layers.{L + j}.`` (L = num_hidden_layers), MiMo's ``model.mtp_layers.{j}.``."""
+    num_layers, num_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    return tuple(p for j in range(num_mtp)
+                 for p in (f"model.layers.{num_layers + j}.", f"model.mtp_layers.{j}."))
