@@ -212,7 +212,7 @@ def to_storage(x: torch.Tensor, feature_dtype: str) -> np.ndarray:
 
 def from_storage(array: np.ndarray) -> torch.Tensor:
     """Inverse of ``to_storage`` (a float16 or bfloat16 tensor sharing or copying the memory)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    tensor = torch.from_numpy(np.array(array, copy=True))     # a private, writable copy of mmap rows
     return tensor.view(torch.bfloat16) if array.dtype == np.uint16 else tensor
 
 

@@ -59,8 +59,7 @@ class CaptureDataset:
     def read(self, record: Record, length: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         shard = self.shards[record.shard]
         rows = slice(record.offset, record.offset + length)
-        return {n: from_storage(shard[n][rows]) if n in ("aux", "final") else torch.from_numpy(
-            np.ascontiguousarray(shard[n][rows])) for n in names}
+        return {n: from_storage(shard[n][rows]) for n in names}
 
 
 @dataclass
