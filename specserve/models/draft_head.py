@@ -114,9 +114,7 @@ class DraftHead(nn.Module):
         ids = torch.as_tensor(token_map, dtype=torch.int64).flatten()
         vocab = self.config.vocab_size
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"token map must hold target ids in [0, {vocab}); got {ids.numel()} ids "
-                             f"in [{ids.min().item() if ids.numel() else '-'}, "
-                             f"{ids.max().item() if ids.numel() else '-'}]")
+            raise ValueError(f"token map must hold target ids in [0, {vocab}); got {ids.tolist()[:8]} ...")
         device = next(self.parameters()).device
         self.token_map = ids.to(device)
         self.draft_vocab_size = ids.numel()
@@ -137,6 +135,15 @@ class DraftHead(nn.Module):
         if module is None:
             raise RuntimeError(f"draft head has no {name} of its own: call bind_target(target) first")
         return module
+
+    def train(self, mode: bool = True) -> "DraftHead":
+        """Training mode drops the CPU-prepacked weight copies (they would go stale and carry no
+        gradient); ``pack_linears_for_cpu`` packs again for serving."""
+        if mode:
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.packed_weight = None
+        return super().train(mode)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """This head's own weights in its published key layout (q/k/v and gate/up split again)."""
@@ -297,30 +304,35 @@ def _hf_dir(path: str) -> Path:
 
 
 def _weight_files(directory: Path) -> list[Path]:
+    """``*.safetensors`` (those of the shard index when there is one), else ``pytorch_model*.bin``
+    (the original EAGLE releases)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         return [directory / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = sorted(directory.glob("*.safetensors"))
+    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+        raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) files in {directory}")
     return files
 
 
 def _tensor_names(directory: Path) -> list[str]:
-    from safetensors import safe_open
-
-    names: list[str] = []
-    for file in _weight_files(directory):
-        with safe_open(str(file), framework="pt") as handle:
-            names.extend(handle.keys())
-    return names
+    return [name for file in _weight_files(directory) for name, _ in _file_tensors(file, lambda n: True, False)]
 
 
 def _iter_tensors(directory: Path, wanted):
+    for file in _weight_files(directory):
+        yield from _file_tensors(file, wanted, True)
+
+
+def _file_tensors(file: Path, wanted, load: bool):
+    """``(name, tensor or None)`` of one weight file; tensors only when ``load`` (safetensors: lazily)."""
+    if file.suffix == ".bin":
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from ((name, tensor) for name, tensor in state.items() if wanted(name))
+        return
     from safetensors import safe_open
 
-    for file in _weight_files(directory):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                if wanted(name):
-                    yield name, handle.get_tensor(name)
+    with safe_open(str(file), framework="pt") as handle:
+        for name in handle.keys():
+            if wanted(name):
+                yield name, handle.get_tensor(name) if load else None

@@ -123,9 +123,10 @@ class Eagle3Head(DraftHead):
                     yield name, tensor
 
         loader.load(weights())
-        self._load_d2t(vocab_maps.get("d2t"))
+        self.set_d2t(vocab_maps.get("d2t"))
 
-    def _load_d2t(self, d2t: torch.Tensor | None) -> None:
+    def set_d2t(self, d2t: torch.Tensor | None) -> None:
+        """The draft vocabulary: draft id i <-> target id i + d2t[i] (None: the full vocabulary)."""
         vocab, draft_vocab = self.config.vocab_size, self.draft_vocab_size
         if d2t is None:
             if draft_vocab != vocab:
@@ -136,7 +137,7 @@ class Eagle3Head(DraftHead):
         if tuple(d2t.shape) != (draft_vocab,) or d2t.is_floating_point():
             raise WeightLoadError(f"checkpoint tensor 'd2t' has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, "
                                   f"expected ({draft_vocab},) integers")
-        target_ids = torch.arange(draft_vocab) + d2t.to(torch.int64)
+        target_ids = torch.arange(draft_vocab, device=d2t.device) + d2t.to(torch.int64)
         if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab:
             raise WeightLoadError(f"checkpoint tensor 'd2t' maps draft ids outside the vocabulary [0, {vocab})")
         self.d2t = d2t.to(device=self.fc.weight.device, dtype=torch.int64)

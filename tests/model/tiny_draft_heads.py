@@ -105,7 +105,8 @@ def deepseek_mtp_tensors(target: ModelConfig, seed: int = 3, *, embed: bool = Fa
                          head: bool = False) -> dict[str, torch.Tensor]:
     rand, h = _Rand(seed), target.hidden_size
     p = f"model.layers.{target.num_hidden_layers}."
-    w = {p + "enorm.weight": rand.norm(h), p + "hnorm.weight": rand.norm(h), p + "eh_proj.weight": rand.mat(h, 2 * h),
+    w = {p + "enorm.weight": rand.norm(h), p + "hnorm.weight": rand.norm(h),
+         p + "eh_proj.weight": rand.mat(h, 2 * h),
          p + "shared_head.norm.weight": rand.norm(h)}
     w.update(decoder_layer(target, rand, p, qkv_bias=target.attention_bias))
     if embed:
@@ -133,7 +134,8 @@ def qkv_biases(target: ModelConfig, seed: int = 5) -> dict[str, torch.Tensor]:
     w: dict[str, torch.Tensor] = {}
     for i in range(target.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
-        w.update({p + "q_proj.bias": rand.vec(q), p + "k_proj.bias": rand.vec(kv), p + "v_proj.bias": rand.vec(kv)})
+        w.update({p + "q_proj.bias": rand.vec(q), p + "k_proj.bias": rand.vec(kv),
+                  p + "v_proj.bias": rand.vec(kv)})
     return w
 
 

@@ -315,8 +315,8 @@ def test_nextn_deepseek_layout(tmp_path, target, target_dir, target_cfg, target_
     ids, hidden = inputs(5, 64)
     torch.testing.assert_close(_target_logits(mtp_target, ids), _target_logits(target, ids))
 
-    for algorithm in ("EAGLE", "NEXTN"):
-        head = load(algorithm, None, mtp_target, path)
+    for algorithm, draft in (("NEXTN", path), ("NEXTN", None), ("EAGLE", None)):   # the model as its own draft
+        head = load(algorithm, draft, mtp_target, path)
         assert (head.feature_kind, head.feature_size, head.config.num_hidden_layers) == ("final", 64, 1)
         assert head.draft_vocab_size == 32
     p = f"model.layers.{NUM_TARGET_LAYERS}."
@@ -377,3 +377,53 @@ def test_nextn_strict_loading(tmp_path, target_cfg, target_weights):
     path = _write_mtp_target(tmp_path, target_cfg, target_weights, broken)
     with pytest.raises(WeightLoadError, match=rf"model\.layers\.{NUM_TARGET_LAYERS}\.hnorm\.weight"):
         load("EAGLE", None, _load_target(path), path)
+
+
+# ---- export and training mode -----------------------------------------------------------------
+
+def test_checkpoint_tensors_round_trip(tmp_path, target_cfg, target_weights, target, target_dir):
+    eagle_config, eagle_w = tdh.eagle_checkpoint(target_cfg, embed=True, prefix="model.")
+    eagle3_config, eagle3_w = tdh.eagle3_checkpoint(target_cfg)
+    mtp = tdh.deepseek_mtp_tensors(target_cfg, head=True)
+    mtp_dir = _write_mtp_target(tmp_path, target_cfg, target_weights, mtp)
+    cases = [("EAGLE", write(tmp_path, "eagle", eagle_config, eagle_w), target, target_dir,
+              {k.removeprefix("model."): v for k, v in eagle_w.items()}),
+             ("EAGLE3", write(tmp_path, "eagle3", eagle3_config, eagle3_w), target, target_dir, eagle3_w),
+             ("EAGLE", None, _load_target(mtp_dir), mtp_dir, mtp)]
+    for algorithm, draft, model, model_dir, expected in cases:
+        exported = load(algorithm, draft, model, model_dir).checkpoint_tensors()
+        assert exported.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(exported[name], tensor), name
+
+
+def test_pytorch_bin_eagle_checkpoint(tmp_path, target, target_dir, target_cfg):
+    config, w = tdh.eagle_checkpoint(target_cfg)
+    out = tmp_path / "eagle_bin"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    torch.save(w, out / "pytorch_model.bin")
+    reference = load("EAGLE", write(tmp_path, "eagle", config, w), target, target_dir)
+    head = load("EAGLE", out, target, target_dir)
+    ids, hidden = inputs(5, 64)
+    torch.testing.assert_close(run_head(head, ids, hidden), run_head(reference, ids, hidden))
+
+
+def test_train_mode_drops_packed_weights(tmp_path, target, target_dir, target_cfg):
+    head = load("EAGLE3", write(tmp_path, "eagle3", *tdh.eagle3_checkpoint(target_cfg)), target, target_dir)
+    assert not head.training
+    head.train()
+    assert all(getattr(m, "packed_weight", None) is None for m in head.modules())
+    ids, features = inputs(5, 3 * 64)
+    cfg = head.config
+    cache = KVCache(1, 6, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    meta = build_metadata([0], [5], torch.arange(5)[None], torch.arange(5), num_kv_groups=2)
+    head.compute_logits(head(ids, features, torch.arange(5), cache, meta)).logsumexp(-1).sum().backward()
+    assert head.fc.weight.grad is not None and head.midlayer.self_attn.qkv_proj.weight.grad.abs().sum() > 0
+
+
+def test_token_map_out_of_range(tmp_path, target, target_dir, target_cfg):
+    torch.save([0, 32], tmp_path / "map.pt")
+    with pytest.raises(ValueError, match="token map"):
+        load("EAGLE", write(tmp_path, "eagle", *tdh.eagle_checkpoint(target_cfg)), target, target_dir,
+             token_map_path=str(tmp_path / "map.pt"))
