@@ -2,6 +2,7 @@
 KV budget, pool, prefix cache, scheduler, speculative worker."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -51,11 +52,15 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     tokenizer = Tokenizer.load(args.tokenizer_path or model_path)
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
+    args = _with_shipped_draft(args)
     spec = resolve_spec_params(args, cfg)
     spec_width = spec.num_draft_tokens if spec else 1   # KV slots per decode step per request
-    draft = _read_draft(args, spec, cfg, tokenizer)
+    try:
+        draft = _read_draft(args, spec, cfg, tokenizer)
+    except (OSError, ValueError, ConfigError) as exc:
+        spec, draft = _fall_back_to_plain(args, exc), None
     kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
-    extra_bytes, extra_bpt = _draft_bytes(draft, dtype)
+    extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
     budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
                             bytes_per_token=kv_bpt + extra_bpt,
                             min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
@@ -77,8 +82,6 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     runner.model.backend = backend
     pool = BlockPool(num_pages, args.page_size)
     radix = RadixCache(pool, disabled=args.disable_radix_cache)
-    scheduler = Scheduler(pool, radix, max_running_requests=max_running,
-                          chunk_size=_chunk_size(args, device), num_rows=max_running, decode_width=spec_width)
     logger.info("model %s loaded: %s on %s, KV cache %d tokens (%.2f GiB), context %d",
                 model_path, str(dtype).replace("torch.", ""), device, num_pages * args.page_size,
                 num_pages * args.page_size * kv_bpt / 2**30, context_len)
@@ -86,10 +89,36 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     if spec is not None:
         from specserve.spec.base import ProposerContext, create_spec_worker
 
-        spec_worker = create_spec_worker(ProposerContext(args, spec, cfg, runner, pool, max_running, context_len,
-                                                         draft))
+        try:
+            spec_worker = create_spec_worker(ProposerContext(args, spec, cfg, runner, pool, max_running,
+                                                             context_len, draft, model_path))
+        except (OSError, ValueError, KeyError, ConfigError) as exc:
+            _fall_back_to_plain(args, exc)
+            runner.capture_features, runner.model.aux_layer_ids = None, ()
+    scheduler = Scheduler(pool, radix, max_running_requests=max_running, chunk_size=_chunk_size(args, device),
+                          num_rows=max_running, decode_width=spec_width if spec_worker else 1)
     return EngineParts(model_path, cfg, tokenizer, runner, pool, radix, scheduler, context_len, device,
                        spec_worker)
+
+
+def _with_shipped_draft(args: ServerArgs) -> ServerArgs:
+    """The default model with EAGLE3 / EAGLE / STANDALONE and no draft path: the shipped draft."""
+    if args.model_path is not None or args.speculative_draft_model_path:
+        return args
+    from specserve.drafts import shipped_draft
+
+    path = shipped_draft(args.speculative_algorithm)
+    if path is None:
+        return args
+    logger.info("--speculative-algorithm %s: using the shipped draft %s", args.speculative_algorithm, path)
+    return dataclasses.replace(args, speculative_draft_model_path=str(path))
+
+
+def _fall_back_to_plain(args: ServerArgs, exc: Exception) -> None:
+    """A draft that cannot load turns speculation off rather than stopping the server."""
+    logger.error("speculative decoding disabled, serving with plain decoding: the %s draft (%s) could not "
+                 "be loaded: %s", args.speculative_algorithm, args.speculative_draft_model_path, exc)
+    return None
 
 
 def _read_draft(args: ServerArgs, spec, cfg: ModelConfig, tokenizer: Tokenizer):
@@ -112,8 +141,13 @@ def _read_draft(args: ServerArgs, spec, cfg: ModelConfig, tokenizer: Tokenizer):
     return draft_cfg, weights
 
 
-def _draft_bytes(draft, dtype: torch.dtype) -> tuple[int, int]:
+def _draft_bytes(draft, spec, cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(weight bytes, KV bytes per token) the draft model adds to the memory budget."""
+    if spec is not None and spec.algorithm in ("EAGLE", "EAGLE3"):   # one decoder layer, target-sized
+        layer_bytes = model_bytes(dataclasses.replace(cfg, num_hidden_layers=1, vocab_size=0), dtype)
+        head_bytes = cfg.vocab_size * cfg.hidden_size * torch.empty((), dtype=dtype).element_size()
+        return 2 * layer_bytes + head_bytes, KVCache.bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim,
+                                                                     dtype)
     if draft is None:
         return 0, 0
     dcfg = draft[0]

@@ -62,6 +62,8 @@ class ModelRunner:
         self.req_to_token = torch.full((max_rows, max_row_len), self.dummy_slot,
                                        dtype=torch.int64, device=self.device)
         self.num_kv_groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.capture_features: str | None = None     # "final" | "aux": keep last_features of every forward
+        self.last_features: torch.Tensor | None = None
 
     def set_row_slots(self, row: int, start: int, slots: list[int]) -> None:
         if slots:
@@ -77,7 +79,25 @@ class ModelRunner:
         ``"final"``: the final-normed hidden states [T, H] (EAGLE, NEXTN);
         ``"aux"``: the inputs of the layers in ``model.aux_layer_ids``, concatenated
         [T, len(aux) * H] (EAGLE3). Returns ``(logits, features)`` then.
+        With ``capture_features`` set, every forward also leaves that kind of
+        features in ``last_features`` (an EAGLE drafter reads them after prefill
+        and verification).
         """
+        input_ids, positions, meta, logit_rows = self.prepare(specs)
+        out = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden, aux = out if isinstance(out, tuple) else (out, [])
+        selected = hidden if logit_rows is None else hidden.index_select(0, logit_rows)
+        logits = self.model.compute_logits(selected)
+        if self.capture_features is not None:
+            self.last_features = _features(self.capture_features, hidden, aux)
+        if features is None:
+            return logits
+        if features == self.capture_features:
+            return logits, self.last_features
+        return logits, _features(features, hidden, aux)
+
+    def prepare(self, specs: list[ExtendSpec]):
+        """Write the specs' slots into their rows; flat inputs, attention metadata and logit rows."""
         input_ids, positions, out_loc, logit_rows = self._flatten(specs)
         for spec in specs:
             self.set_row_slots(spec.row, spec.prefix_len, spec.new_slots)
@@ -85,19 +105,7 @@ class ModelRunner:
         meta = build_metadata([s.prefix_len for s in specs], [len(s.token_ids) for s in specs],
                               self.req_to_token.index_select(0, rows), out_loc,
                               [s.tree_mask for s in specs], self.num_kv_groups)
-        out = self.model(input_ids, positions, self.kv_cache, meta)
-        hidden, aux = out if isinstance(out, tuple) else (out, [])
-        selected = hidden if logit_rows is None else hidden.index_select(0, logit_rows)
-        logits = self.model.compute_logits(selected)
-        if features is None:
-            return logits
-        if features == "final":
-            return logits, hidden
-        if features == "aux":
-            if not aux:
-                raise ValueError("features='aux' needs model.aux_layer_ids")
-            return logits, torch.cat(aux, dim=-1)
-        raise ValueError(f"unknown features kind {features!r}")
+        return input_ids, positions, meta, logit_rows
 
     def _flatten(self, specs: list[ExtendSpec]):
         ids: list[int] = []
@@ -116,6 +124,16 @@ class ModelRunner:
         rows = None if len(logit_rows) == len(ids) else torch.tensor(logit_rows, dtype=torch.int64, device=dev)
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
                 torch.tensor(slots, dtype=torch.int64, device=dev), rows)
+
+
+def _features(kind: str, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+    if kind == "final":
+        return hidden
+    if kind == "aux":
+        if not aux:
+            raise ValueError("features 'aux' needs model.aux_layer_ids")
+        return torch.cat(aux, dim=-1)
+    raise ValueError(f"unknown features kind {kind!r}")
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,

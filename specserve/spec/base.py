@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 PROPOSERS = {
     "NGRAM": ("specserve.spec.ngram", "NgramProposer"),
     "STANDALONE": ("specserve.spec.draft_model", "DraftModelProposer"),
+    "EAGLE": ("specserve.spec.eagle", "EagleProposer"),
+    "EAGLE3": ("specserve.spec.eagle", "EagleProposer"),
 }
 COST_WIDTHS_REQUIRED = (1, 16)
 COST_WIDTHS_OPTIONAL = (4, 64, 256)
@@ -60,6 +62,7 @@ class ProposerContext:
     num_rows: int                  # scheduler rows (max running requests)
     context_len: int
     draft_checkpoint: tuple["ModelConfig", Iterable] | None = None
+    target_path: str | None = None      # the target's checkpoint (NEXTN heads live inside it)
 
 
 class Proposer:
@@ -86,6 +89,9 @@ class Proposer:
 
     def on_verified(self, engine, items: list, emitted: list[list[int]]) -> None:
         """Tokens each item will emit this step (before the engine's stop checks)."""
+
+    def on_accepted(self, engine, items: list, trees: list[DraftTree], results: list[AcceptResult]) -> None:
+        """After verification and KV compaction: the accepted path of every item's tree."""
 
     def draft_cost(self, batch_size: int) -> float:
         """Estimated seconds of one ``propose`` over ``batch_size`` requests."""
@@ -167,6 +173,7 @@ class SpecWorker:
         results = tv.accept_trees(engine, items, trees, logits, self.params)
         emitted = [emitted_tokens(tree, res) for tree, res in zip(trees, results)]
         tv.compact_kv(engine, items, trees, results)
+        self.proposer.on_accepted(engine, items, trees, results)
         self._record(engine, items, trees, results)
         self.proposer.on_verified(engine, items, emitted)
         out = tv.token_results(engine, items, trees, results, emitted, logits)

@@ -50,9 +50,12 @@ class Frontier:
     parent_slot: Tensor  # [bs, K] int64, frontier slot of the parent in the previous step (-1: root)
 
 
-def first_step(root_logprobs: Tensor, topk: int) -> tuple[TreePool, Frontier]:
-    """root_logprobs: [bs, V] draft log-probs after the root."""
+def first_step(root_logprobs: Tensor, topk: int, token_map: Tensor | None = None) -> tuple[TreePool, Frontier]:
+    """root_logprobs: [bs, V] draft log-probs after the root. ``token_map`` [V]: the
+    target id of each draft-vocabulary index (a draft with its own vocabulary)."""
     scores, tokens = root_logprobs.float().topk(topk, dim=-1)           # [bs, K]
+    if token_map is not None:
+        tokens = token_map[tokens]
     bs = tokens.shape[0]
     index = torch.arange(topk, device=tokens.device).expand(bs, topk)   # [bs, K]
     parents = torch.full_like(tokens, -1)
@@ -60,10 +63,12 @@ def first_step(root_logprobs: Tensor, topk: int) -> tuple[TreePool, Frontier]:
 
 
 def expand_step(pool: TreePool, frontier: Frontier, child_logprobs: Tensor,
-                topk: int) -> tuple[TreePool, Frontier]:
+                topk: int, token_map: Tensor | None = None) -> tuple[TreePool, Frontier]:
     """child_logprobs: [bs, K, V] draft log-probs after each frontier node."""
     bs, width = frontier.tokens.shape
     child_lp, child_tokens = child_logprobs.float().topk(topk, dim=-1)          # [bs, K, K]
+    if token_map is not None:
+        child_tokens = token_map[child_tokens]
     cum = (frontier.scores.unsqueeze(2) + child_lp).reshape(bs, width * topk)   # [bs, K*K]
     tokens = child_tokens.reshape(bs, width * topk)
     parents = frontier.pool_index.unsqueeze(2).expand(bs, width, topk).reshape(bs, width * topk)

@@ -32,7 +32,7 @@ SHAPE_FLAGS = ("--speculative-num-steps", "--speculative-eagle-topk", "--specula
 EAGLE_FAMILY = ("EAGLE", "EAGLE3")
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 MIN_THRESHOLD_ACC = 1e-9
-IMPLEMENTED = ("NGRAM", "STANDALONE")
+IMPLEMENTED = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 
 
 @dataclass(frozen=True)

@@ -96,14 +96,15 @@ def test_standalone_requires_draft_path():
         _resolve(speculative_algorithm="STANDALONE")
 
 
-def test_eagle_auto_choice_then_not_implemented():
+def test_eagle_family_auto_choice():
     for algo in ("EAGLE", "NEXTN", "EAGLE3"):
-        with pytest.raises(ConfigError, match="not implemented yet"):
-            _resolve(speculative_algorithm=algo)
+        params = _resolve(speculative_algorithm=algo)
+        assert (params.num_steps, params.topk, params.num_draft_tokens) == (5, 4, 8)
+        assert params.algorithm == ("EAGLE3" if algo == "EAGLE3" else "EAGLE")
     from specserve.spec.params import auto_choose
     assert auto_choose("EAGLE", LLAMA.architecture) == (5, 4, 8)
     assert auto_choose("EAGLE3", QWEN.architecture) == (3, 1, 4)
-    with pytest.raises(ConfigError, match="too large"):   # shape errors come first
+    with pytest.raises(ConfigError, match="too large"):
         _resolve(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=2,
                  speculative_num_draft_tokens=9)
 

@@ -1,0 +1,35 @@
+"""HeadRunner: the KV cache, request->slot rows and forward pass of an EAGLE-family
+draft head (``models/draft_head.py``). Same slot and row machinery as ModelRunner;
+the forward also takes the hidden input of every new token (target features or
+the head's own previous outputs)."""
+from __future__ import annotations
+
+import torch
+
+from specserve.models.attention import KVCache
+from specserve.runner.model_runner import ExtendSpec, ModelRunner
+
+
+class HeadRunner(ModelRunner):
+    def __init__(self, head, *, num_kv_slots: int, max_rows: int, max_row_len: int) -> None:   # noqa: super
+        cfg = head.config
+        param = next(head.parameters())
+        self.config, self.dtype, self.device = cfg, param.dtype, param.device
+        self.model = head
+        self.dummy_slot = num_kv_slots
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_slots + 1, cfg.num_key_value_heads, cfg.head_dim,
+                                self.dtype, self.device, num_zeroed_tail=1)
+        self.req_to_token = torch.full((max_rows, max_row_len), self.dummy_slot, dtype=torch.int64,
+                                       device=self.device)
+        self.num_kv_groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.capture_features, self.last_features = None, None
+
+    @torch.inference_mode()
+    def forward(self, specs: list[ExtendSpec], hidden: torch.Tensor):          # type: ignore[override]
+        """hidden: [T, F] for the new tokens in spec order. Returns (output hidden, draft-vocab
+        logits) of the logit rows (the last ``num_logits`` tokens of each spec)."""
+        input_ids, positions, meta, logit_rows = self.prepare(specs)
+        out = self.model(input_ids, hidden.to(self.dtype), positions, self.kv_cache, meta)
+        if logit_rows is not None:
+            out = out.index_select(0, logit_rows)
+        return out, self.model.compute_logits(out)

@@ -1,0 +1,250 @@
+"""EAGLE-family proposer (EAGLE-2 serving of EAGLE / EAGLE3 / NEXTN heads): a one-layer
+draft head that reads the target's features drafts an EAGLE-2 dynamic tree
+(``dynamic_tree.py``; K == 1 gives a chain).
+
+Entries. Draft entry ``i`` consumes token ``x[i+1]`` and the target feature ``f[i]``
+(the target's state at position ``i``, which predicted ``x[i+1]``) and predicts
+``x[i+2]``; its rope position is ``i`` (SGLang's convention). With the target KV
+holding positions ``0 .. t-1`` and root ``x[t]``, entries ``0 .. t-1`` are computable;
+entry ``t-1``'s output gives the root's children. A frontier node at depth ``d``
+consumes its token and its parent's draft output at position ``t - 1 + d``.
+
+Features. The target runner keeps the features of every forward
+(``capture_features``): prefill chunks and verified paths append theirs to the
+request's pending list; the next catch-up (lazy: only when the policy lets the
+request draft) extends the draft over all pending entries at once, so requests
+that never speculate cost no draft compute.
+
+Draft KV layout (as STANDALONE): entry ``i`` lives in the target's slot of
+position ``i`` (radix-shared prefixes share draft KV; ``is_valid`` tracks which
+slots hold current draft KV), plus a scratch region for tree nodes. Draft rows:
+K per scheduler row; row ``K*r`` holds the request's entries (a prefix taken from
+the radix cache keeps only its valid entries, so rows may be shorter than the
+sequence, and positions are explicit), rows ``K*r + k`` add frontier node k's path.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specserve.core import Request
+from specserve.runner.head_runner import HeadRunner
+from specserve.runner.model_runner import ExtendSpec
+from specserve.spec import dynamic_tree as dt
+from specserve.spec.base import Proposer, ProposerContext, sync_fn
+from specserve.spec.policy import CostCurve, measure_cost_curve
+from specserve.spec.state import spec_state, tail_ids
+from specserve.spec.tree import DraftTree, truncate_tree
+
+DRAFT_COST_BUDGET_S = 0.3
+
+
+class EagleProposer(Proposer):
+    def __init__(self, ctx: ProposerContext) -> None:
+        super().__init__(ctx)
+        from specserve.models.draft_head import load_draft_head
+
+        target, params, args = ctx.target_runner, ctx.params, ctx.server_args
+        self.topk, self.num_steps = params.topk, params.num_steps
+        self.head = load_draft_head(params.algorithm, args.speculative_draft_model_path, target.model,
+                                    ctx.target_path, dtype=target.dtype, device=str(target.device),
+                                    max_position=ctx.context_len + params.num_draft_tokens + self.num_steps + 2,
+                                    token_map_path=args.speculative_token_map)
+        target.model.aux_layer_ids = tuple(self.head.aux_layer_ids)
+        target.capture_features = self.head.feature_kind
+        self.num_target_slots = ctx.pool.capacity_tokens
+        self.scratch_per_row = self.topk * max(self.num_steps - 1, 0)
+        self.runner = HeadRunner(self.head, num_kv_slots=self.num_target_slots + ctx.num_rows * self.scratch_per_row,
+                                 max_rows=ctx.num_rows * self.topk, max_row_len=ctx.context_len + self.num_steps + 2)
+        ids = torch.arange(self.head.draft_vocab_size, device=target.device)
+        mapped = self.head.draft_to_target(ids)
+        self.token_map = None if torch.equal(mapped, ids) else mapped
+        self.is_valid = bytearray(self.num_target_slots)
+        self.cost = CostCurve([1], [0.0])
+
+    # ---- target features ----------------------------------------------------------
+    def on_prefill(self, engine, items: list) -> None:
+        features = self.ctx.target_runner.last_features
+        offset = 0
+        for item in items:
+            n, req = item.num_new_tokens, item.req
+            self._mark(item.new_slots, False)
+            state = _state(req)
+            start = req.num_computed - n
+            if state.admission is not req.kv_slots:           # (re)admitted: a fresh draft row
+                state.reset(req.kv_slots, start)
+            state.push(features[offset:offset + n], start)
+            offset += n
+
+    def on_accepted(self, engine, items: list, trees: list[DraftTree], results: list) -> None:
+        """The features of each verified path (root + accepted drafts) become pending entries."""
+        features = self.ctx.target_runner.last_features
+        offset = 0
+        for item, tree, res in zip(items, trees, results):
+            rows = torch.tensor([offset + i for i in res.accepted_indices], device=features.device)
+            state = _state(item.req)
+            state.push(features.index_select(0, rows), state.pending_end)
+            offset += tree.num_nodes
+
+    def on_skipped(self, engine, items: list) -> None:
+        for item in items:
+            self._mark(item.new_slots, False)
+
+    # ---- drafting -----------------------------------------------------------------
+    def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
+        root_hidden, root_logits = self._catch_up(engine, items)
+        pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk, self.token_map)
+        if self.num_steps > 1:
+            pool = self._grow(engine, items, pool, frontier, root_hidden)
+        roots = torch.tensor([tail_ids(item.req, 1)[0] for item in items])
+        tokens, parents = (x.cpu() for x in dt.rerank(pool, roots, self.params.num_draft_tokens))
+        for item in items:
+            self._mark(item.new_slots, False)          # the target writes tree nodes there
+        return [truncate_tree(DraftTree(tokens[b], parents[b]), cap) for b, cap in enumerate(max_nodes)]
+
+    def _catch_up(self, engine, items: list) -> tuple[Tensor, Tensor]:
+        """Extend every request's draft over its pending entries. Returns (output hidden, logits)
+        of each request's last entry: [bs, H], [bs, V_draft]."""
+        specs, features = [], []
+        for item in items:
+            req, state = item.req, _state(item.req)
+            row = self._base_row(engine, req)
+            if state.needs_sync:
+                self._sync_row(req, state, row)
+            t = req.num_computed
+            start = state.next_entry
+            if t <= start or state.pending_end != t:
+                raise RuntimeError(f"EAGLE draft of {req.rid}: entries {start}..{t - 1}, features up to "
+                                   f"{state.pending_end} (internal bookkeeping error)")
+            slots = req.kv_slots[start:t]
+            specs.append(ExtendSpec(row=row, prefix_len=state.row_len, token_ids=tail_ids(req, t - start),
+                                    new_slots=slots, positions=list(range(start, t))))
+            features.append(state.take_pending())
+            self._mark(slots, True)
+            state.row_len += t - start
+            state.next_entry = t
+        return self.runner.forward(specs, torch.cat(features))
+
+    def _sync_row(self, req: Request, state: "_EagleState", row: int) -> None:
+        """First draft of an admission: keep the valid draft entries of a radix-cached prefix.
+        (The entry before the first computed position depends on a token the prefix's
+        earlier owner may not share, so it is never reused.)"""
+        shared = state.next_entry
+        kept = [s for s in req.kv_slots[:max(shared - 1, 0)] if self.is_valid[s]]
+        self.runner.set_row_slots(row, 0, kept)       # their rope positions live in their keys
+        state.row_len = len(kept)
+        state.needs_sync = False
+
+    def _grow(self, engine, items: list, pool: dt.TreePool, frontier: dt.Frontier,
+              root_hidden: Tensor) -> dt.TreePool:
+        """Draft steps 1 .. S-1: forward the frontier (each node fed its parent's output)."""
+        bs, k = len(items), self.topk
+        self._copy_base_rows(engine, items)
+        hidden = root_hidden.repeat_interleave(k, dim=0)                          # [bs*K, H]
+        paths = [[[] for _ in range(k)] for _ in range(bs)]
+        tokens = frontier.tokens.cpu().tolist()
+        batch_index = torch.arange(bs, device=hidden.device).unsqueeze(1)
+        for step in range(1, self.num_steps):
+            out, logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
+            logprobs = torch.log_softmax(logits.float(), dim=-1).view(bs, k, -1)
+            pool, frontier = dt.expand_step(pool, frontier, logprobs, k, self.token_map)
+            if step + 1 < self.num_steps:
+                hidden = out.view(bs, k, -1)[batch_index, frontier.parent_slot].reshape(bs * k, -1)
+                tokens, parent_slot = torch.stack([frontier.tokens, frontier.parent_slot]).cpu().tolist()
+                paths = [[paths[b][p] + [self._scratch(b, step, p)] for p in parent_slot[b]] for b in range(bs)]
+        return pool
+
+    def _frontier_specs(self, engine, items: list, step: int, tokens: list[list[int]],
+                        paths: list[list[list[int]]]) -> list[ExtendSpec]:
+        specs = []
+        for b, item in enumerate(items):
+            base, state = self._base_row(engine, item.req), _state(item.req)
+            position = item.req.num_computed - 1 + step
+            for k in range(self.topk):
+                self.runner.set_row_slots(base + k, state.row_len, paths[b][k])
+                specs.append(ExtendSpec(row=base + k, prefix_len=state.row_len + step - 1,
+                                        token_ids=[tokens[b][k]], new_slots=[self._scratch(b, step, k)],
+                                        positions=[position]))
+        return specs
+
+    def _copy_base_rows(self, engine, items: list) -> None:
+        """Rows K*r+1 .. K*r+K-1 get row K*r's entries (one device copy)."""
+        if self.topk == 1:
+            return
+        bases = [self._base_row(engine, item.req) for item in items]
+        width = max(_state(item.req).row_len for item in items)
+        table = self.runner.req_to_token
+        dst = torch.tensor([b + k for b in bases for k in range(1, self.topk)], device=table.device)
+        src = torch.tensor([b for b in bases for _ in range(1, self.topk)], device=table.device)
+        table[dst, :width] = table[src, :width]
+
+    # ---- helpers ------------------------------------------------------------------
+    def _base_row(self, engine, req: Request) -> int:
+        return engine.scheduler.row_of[req.rid] * self.topk
+
+    def _scratch(self, batch_index: int, step: int, k: int) -> int:
+        return self.num_target_slots + batch_index * self.scratch_per_row + (step - 1) * self.topk + k
+
+    def _mark(self, slots: list[int], value: bool) -> None:
+        flag = 1 if value else 0
+        is_valid = self.is_valid
+        for slot in slots:
+            if slot < self.num_target_slots:
+                is_valid[slot] = flag
+
+    # ---- cost -----------------------------------------------------------------------
+    def measure_cost(self) -> None:
+        width_in = self.head.feature_size
+
+        def forward(width: int) -> None:
+            slots = list(range(width))         # target-mirror slots, marked stale afterwards
+            hidden = torch.zeros(width, width_in, dtype=self.runner.dtype, device=self.runner.device)
+            self.runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * width, new_slots=slots)], hidden)
+            self._mark(slots, False)
+
+        limit = min(self.num_target_slots, self.ctx.context_len)
+        self.cost = measure_cost_curve(forward, [w for w in (1, 16) if w <= limit] or [1],
+                                       [w for w in (4, 64) if w <= limit], DRAFT_COST_BUDGET_S,
+                                       sync_fn(self.runner.device))
+
+    def max_depth(self, max_nodes: int) -> int:
+        return min(self.num_steps, max_nodes - 1)
+
+    def draft_cost(self, batch_size: int) -> float:
+        """Catch-up (about 2 entries per request) plus S - 1 frontier forwards of K tokens each."""
+        return self.cost(2 * batch_size) + (self.num_steps - 1) * self.cost(batch_size * self.topk)
+
+
+class _EagleState:
+    """Per-request draft bookkeeping: entries computed, row length, pending target features."""
+
+    __slots__ = ("admission", "next_entry", "row_len", "needs_sync", "pending", "pending_end")
+
+    def __init__(self) -> None:
+        self.reset(None, 0)
+
+    def reset(self, admission, start: int) -> None:
+        self.admission = admission          # the req.kv_slots list of this admission
+        self.next_entry = start             # first entry not yet computed
+        self.row_len = 0                    # entries in the request's base draft row
+        self.needs_sync = True              # base row not built since admission
+        self.pending: list[Tensor] = []     # target features of positions next_entry .. pending_end - 1
+        self.pending_end = start
+
+    def push(self, features: Tensor, start: int) -> None:
+        if start != self.pending_end:
+            raise RuntimeError(f"EAGLE features for position {start}, expected {self.pending_end}")
+        self.pending.append(features)
+        self.pending_end += features.shape[0]
+
+    def take_pending(self) -> Tensor:
+        out = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending = []
+        return out
+
+
+def _state(req: Request) -> _EagleState:
+    state = spec_state(req)
+    if state.proposer is None:
+        state.proposer = _EagleState()
+    return state.proposer

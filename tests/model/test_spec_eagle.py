@@ -1,0 +1,99 @@
+"""EAGLE-family speculative decoding (EAGLE, EAGLE3, NEXTN) through the whole engine, on a
+tiny random Llama with tiny random heads in the published checkpoint layouts.
+
+Greedy speculation must equal plain decoding under page_size 4, chunked prefill, radix
+reuse, requests joining and leaving, aborts and retractions, and leak no KV: this
+exercises the per-request feature bookkeeping (prefill chunks, verified paths, lazy
+catch-up, radix-shared draft entries) whatever the head's quality.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from test_spec_sampling import _engine, _random_prompts, _staggered, _with_preemption
+from tiny_draft_heads import deepseek_mtp_tensors, eagle3_checkpoint, eagle_checkpoint, write_checkpoint
+from tiny_llama import VOCAB, random_weights, tiny_config, write_tiny_model
+
+SHAPES = {"chain": (3, 1, 4), "tree": (3, 2, 5)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def always_speculate():
+    old = os.environ.get("SPECSERVE_SPEC_POLICY")
+    os.environ["SPECSERVE_SPEC_POLICY"] = "always"
+    yield
+    if old is None:
+        os.environ.pop("SPECSERVE_SPEC_POLICY")
+    else:
+        os.environ["SPECSERVE_SPEC_POLICY"] = old
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_eagle")
+    cfg = tiny_config()
+    weights = random_weights(cfg, seed=0)
+    target = write_tiny_model(root / "target", weights)
+    mtp_target = write_tiny_model(root / "mtp_target", dict(weights, **deepseek_mtp_tensors(cfg)))
+    config = json.loads((mtp_target / "config.json").read_text())
+    (mtp_target / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    deep = tiny_config(num_layers=4)                       # EAGLE3 reads three distinct layers
+    deep_target = write_tiny_model(root / "deep_target", random_weights(deep, seed=0), deep)
+    eagle3 = eagle3_checkpoint(deep, draft_vocab=VOCAB // 2, aux_layer_ids=[0, 1, 2])
+    return {"target": str(target), "mtp_target": str(mtp_target), "deep_target": str(deep_target),
+            "EAGLE": str(write_checkpoint(root / "eagle", *eagle_checkpoint(cfg))),
+            "EAGLE3": str(write_checkpoint(root / "eagle3", *eagle3))}
+
+
+def _spec(tiny: dict[str, str], algo: str, shape: str) -> tuple[str, dict]:
+    steps, topk, n = SHAPES[shape]
+    kwargs = {"speculative_algorithm": algo, "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+              "speculative_num_draft_tokens": n}
+    if algo == "NEXTN":
+        return tiny["mtp_target"], kwargs
+    target = tiny["deep_target"] if algo == "EAGLE3" else tiny["target"]
+    return target, dict(kwargs, speculative_draft_model_path=tiny[algo])
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "NEXTN"])
+@pytest.mark.parametrize("page_size, chunk", [(1, None), (4, 16)])
+def test_greedy_equals_plain_under_batching(tiny, algo, shape, page_size, chunk):
+    settings = {"page_size": page_size, "chunked_prefill_size": chunk}
+    prompts = _random_prompts(10, seed=page_size)
+    model, kwargs = _spec(tiny, algo, shape)
+    plain = _staggered(_engine(model, **settings), prompts)
+    spec_engine = _engine(model, **settings, **kwargs)
+    assert spec_engine.engine.spec_worker is not None, "the draft did not load"
+    spec = _staggered(spec_engine, prompts)
+    again = _staggered(spec_engine, prompts)        # radix hits on every prompt
+    assert spec == plain
+    assert again == plain
+    assert spec_engine.engine.stats.spec_verify_ct > 0
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "NEXTN"])
+def test_greedy_equals_plain_with_aborts_and_retractions(tiny, algo):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist()
+               for n in torch.randint(40, 70, (12,), generator=g)]
+    settings = {"max_total_tokens": 600, "context_length": 160}
+    model, kwargs = _spec(tiny, algo, "tree")
+    plain = _with_preemption(_engine(model, **settings), prompts)
+    spec = _with_preemption(_engine(model, **settings, **kwargs), prompts)
+    assert spec == plain
+
+
+def test_unloadable_draft_falls_back_to_plain_decoding(tiny, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    engine = _engine(tiny["target"], speculative_algorithm="EAGLE3", speculative_draft_model_path=str(broken))
+    assert engine.engine.runner.capture_features is None
+    assert engine.engine.spec_worker is None
+    prompts = _random_prompts(3, seed=5)
+    assert _staggered(engine, prompts) == _staggered(_engine(tiny["target"]), prompts)
