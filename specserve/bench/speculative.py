@@ -86,94 +86,169 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt files (FastChat JSONL), comma-separated; default: the four eval files")
     parser.add_argument("--num-prompts-per-file", type=int, default=3)
     parser.add_argument("--algorithm", default="NGRAM",
-                        help=f"{'|'.join(ALGORITHMS)}, or none for plain decoding only (default %(default)s)")
-    parser.add_argument("--draft-model-path", default=None, help="draft model / head (STANDALONE, EAGLE, EAGLE3)")
+                        help=f"{'|'.join(ALGORITHMS)} (EAGLE+FR: EAGLE with an FR-Spec token map), "
+                             "comma-separated to compare several in one run, or none for plain decoding "
+                             "only (default %(default)s)")
+    parser.add_argument("--draft-model-path", default=None,
+                        help="draft model / head (STANDALONE, EAGLE, EAGLE3; default: the shipped draft "
+                             "when --model-path is the default model)")
+    parser.add_argument("--token-map", default=None,
+                        help="FR-Spec token map for EAGLE+FR (default: the shipped one)")
     parser.add_argument("--grid", default=DEFAULT_GRID,
-                        help="configurations 'steps,topk,draft_tokens;...' (NGRAM: only draft_tokens "
-                             "matter); default %(default)s")
+                        help="configurations 'steps,topk,draft_tokens;...', an entry 'ALGO:s,k,d' only for "
+                             "that algorithm (NGRAM: only draft_tokens matter); default %(default)s")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=1, help="requests in flight (default %(default)s)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
 
 
+def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """[(label, engine spec kwargs)]: plain first, then every algorithm x its grid entries."""
+    runs: list[tuple[str, dict[str, Any]]] = [("plain", {})]
+    names = [a.strip() for a in (args.algorithm or "").split(",") if a.strip()]
+    for name in names:
+        use_token_map = name.upper() in ("EAGLE+FR", "EAGLE+FRSPEC")
+        algorithm = normalize_algorithm("EAGLE" if use_token_map else name)
+        if algorithm is None:
+            continue
+        if algorithm in NEEDS_DRAFT_MODEL and not args.draft_model_path and args.model_path is not None:
+            raise ValueError(f"--algorithm {algorithm} needs --draft-model-path (only the default model "
+                             "has shipped drafts)")
+        extra = {"speculative_token_map": _token_map(args)} if use_token_map else {}
+        label_prefix = "EAGLE+FR" if use_token_map else algorithm
+        for config in parse_grid(_grid_for(args.grid, name, len(names) > 1), algorithm):
+            spec = serving.spec_kwargs(algorithm, args.draft_model_path, config.num_steps, config.topk,
+                                       config.num_draft_tokens)
+            label = f"{label_prefix} {config.label}" if len(names) > 1 else config.label
+            runs.append((label, dict(spec, **extra)))
+    return runs
+
+
+def _grid_for(grid: str, name: str, is_multi: bool) -> str:
+    """The grid entries for algorithm ``name``: 'ALGO:...' entries for it, plus unprefixed ones."""
+    entries = []
+    for item in (s.strip() for s in grid.split(";")):
+        if ":" in item:
+            algo, _, shape = item.partition(":")
+            if algo.strip().upper() == name.upper():
+                entries.append(shape)
+        elif item:
+            entries.append(item)
+    return ";".join(entries)
+
+
+def _token_map(args: argparse.Namespace) -> str:
+    if args.token_map:
+        return args.token_map
+    from specserve.drafts import FRSPEC_TOKEN_MAP
+
+    return str(FRSPEC_TOKEN_MAP)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    algorithm = normalize_algorithm(args.algorithm)
-    grid = parse_grid(args.grid, algorithm) if algorithm else []
-    if algorithm in NEEDS_DRAFT_MODEL and not args.draft_model_path:
-        raise ValueError(f"--algorithm {algorithm} needs --draft-model-path")
+    """All engines are built first; then every prompt group (``--batch-size`` prompts) runs
+    through each engine in turn, so plain and speculative runs see the same machine load."""
+    runs = plan_runs(args)
     prompt_list = prompt_data.load_prompts(prompt_data.resolve_prompt_files(args.prompts), args.num_prompts_per_file)
     id_lists = serving.tokenize_prompts(args, prompt_list, args.max_new_tokens)
     result: dict[str, Any] = {
-        "benchmark": "speculative", "model_path": args.model_path, "algorithm": algorithm or "none",
+        "benchmark": "speculative", "model_path": args.model_path, "algorithm": args.algorithm or "none",
         "draft_model_path": args.draft_model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size, "ignore_eos": args.ignore_eos,
+        "batch_size": args.batch_size, "ignore_eos": args.ignore_eos, "interleaved": True,
         "categories": prompt_data.categories(prompt_list), "num_prompts": len(prompt_list), "configs": []}
-    runs = [("plain", {})] + [(c.label, serving.spec_kwargs(algorithm, args.draft_model_path, c.num_steps, c.topk,
-                                                            c.num_draft_tokens)) for c in grid]
-    plain_outputs = None
-    for label, spec in runs:
-        entry, outputs = _run_config(args, label, spec, prompt_list, id_lists)
-        if label == "plain":
-            plain_outputs = outputs
-        _compare(entry, outputs, plain_outputs, prompt_list, result["configs"][0] if result["configs"] else entry)
+    entries, engines = _build_engines(args, runs, id_lists)
+    outputs = [[None] * len(id_lists) for _ in runs]
+    try:
+        _run_interleaved(args, runs, engines, entries, prompt_list, id_lists, outputs)
+    finally:
+        for engine in engines:
+            serving.close_engine(engine)
+    for entry, out in zip(entries, outputs):
+        _finish_entry(entry)
+        _compare(entry, out, outputs[0], prompt_list, entries[0])
         result["configs"].append(entry)
     _print(result)
     return result
 
 
-def _run_config(args, label: str, spec: dict[str, Any], prompt_list, id_lists):
-    """(entry, outputs per prompt) for one configuration; entry['error'] set if it failed."""
-    entry: dict[str, Any] = {"label": label, "is_plain": not spec, "spec_kwargs": spec, "per_category": {},
-                             "histogram": {}, "error": None}
-    outputs: list[list[int] | None] = [None] * len(id_lists)
-    engine = None
-    try:
-        kv_tokens = serving.kv_tokens_needed(args, id_lists, args.batch_size, args.max_new_tokens)
-        engine = serving.make_engine(serving.engine_kwargs(args, args.dtype, max_total_tokens=kv_tokens,
-                                                           max_running_requests=max(args.batch_size, 1), **spec))
-        core = engine.engine
-        info = core.get_server_info()
-        entry["engine_spec_params"] = {k: v for k, v in info.items()
-                                       if k.startswith("speculative_") or k == "spec_policy"}
-        serving.warm_up(core, engine.tokenizer, concurrency=args.batch_size)
-        with serving.progress_bar(len(id_lists), f"speculative {label}") as bar:
-            for category in prompt_data.categories(prompt_list):
-                indices = [i for i, p in enumerate(prompt_list) if p.category == category]
-                entry["per_category"][category] = _run_category(core, args, [id_lists[i] for i in indices],
-                                                                indices, outputs, entry["histogram"], category, bar)
-    except Exception as exc:  # a configuration the engine cannot run yet: record it, go on
-        entry["error"] = f"{type(exc).__name__}: {exc}"
-        entry["traceback"] = traceback.format_exc(limit=6)
-        print(f"\n[{label}] failed: {entry['error']}", flush=True)
-    finally:
-        serving.close_engine(engine)
-    entry["overall"] = _overall(entry["per_category"])
-    if spec and not entry["error"] and not entry["overall"]["verify_ct"]:
-        entry["warning"] = INACTIVE_WARNING
-    if entry["histogram"]:
-        entry["histogram"]["overall"] = _sum_histograms(list(entry["histogram"].values()))
-    return entry, outputs
+def _build_engines(args, runs, id_lists) -> tuple[list[dict[str, Any]], list[Any]]:
+    entries, engines = [], []
+    kv_tokens = serving.kv_tokens_needed(args, id_lists, args.batch_size, args.max_new_tokens)
+    for label, spec in runs:
+        entry: dict[str, Any] = {"label": label, "is_plain": not spec, "spec_kwargs": spec, "per_category": {},
+                                 "histogram": {}, "error": None}
+        engine = None
+        try:
+            engine = serving.make_engine(serving.engine_kwargs(args, args.dtype, max_total_tokens=kv_tokens,
+                                                               max_running_requests=max(args.batch_size, 1), **spec))
+            if spec and engine.engine.spec_worker is None:
+                raise RuntimeError("speculation is off: the draft could not be loaded (see the log)")
+            info = engine.engine.get_server_info()
+            entry["engine_spec_params"] = {k: v for k, v in info.items()
+                                           if k.startswith("speculative_") or k == "spec_policy"}
+            serving.warm_up(engine.engine, engine.tokenizer, concurrency=args.batch_size)
+        except Exception as exc:  # a configuration the engine cannot run: record it, go on
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["traceback"] = traceback.format_exc(limit=6)
+            print(f"\n[{label}] failed: {entry['error']}", flush=True)
+            serving.close_engine(engine)
+            engine = None
+        entries.append(entry)
+        engines.append(engine)
+    return entries, engines
 
 
-def _run_category(core, args, id_lists, indices, outputs, histograms, category, bar) -> dict[str, Any]:
-    core.flush_cache()
+def _run_interleaved(args, runs, engines, entries, prompt_list, id_lists, outputs) -> None:
+    live = [i for i, engine in enumerate(engines) if engine is not None]
+    step = max(args.batch_size, 1)
+    with serving.progress_bar(len(id_lists) * len(live), "speculative (all configs)") as bar:
+        for category in prompt_data.categories(prompt_list):
+            indices = [i for i, p in enumerate(prompt_list) if p.category == category]
+            for i in live:
+                engines[i].engine.flush_cache()
+            for chunk_start in range(0, len(indices), step):
+                chunk = indices[chunk_start:chunk_start + step]
+                for i in live:
+                    _run_chunk(engines[i].engine, args, entries[i], category, chunk, id_lists, outputs[i], bar)
+
+
+def _run_chunk(core, args, entry, category, indices, id_lists, outputs, bar) -> None:
+    """One group of prompts through one engine; adds to the entry's per-category sums."""
     before = core.get_server_info().get("spec_accept_histogram")
-    records, wall = serving.run_requests(core, id_lists,
+    records, wall = serving.run_requests(core, [id_lists[i] for i in indices],
                                          lambda: serving.sampling_params(args.max_new_tokens, args.ignore_eos),
                                          args.batch_size, on_finish=lambda _r: bar.update(1))
     after = core.get_server_info().get("spec_accept_histogram")
     if after is not None:
-        histograms[category] = histogram_delta(before, after)
+        delta = histogram_delta(before, after)
+        old = entry["histogram"].get(category)
+        entry["histogram"][category] = delta if old is None else _sum_histograms([old, delta])
     for index, rec in zip(indices, records):
         outputs[index] = rec.output_ids
-    tokens = sum(len(r.output_ids) for r in records)
-    verify = [r.meta.get("spec_verify_ct", 0) or 0 for r in records]
-    accept = [r.meta.get("spec_accept_length", 1.0) or 1.0 for r in records]
-    return {"num_requests": len(records), "tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall if wall > 0 else float("nan"), "verify_ct": sum(verify),
-            "accept_length": report.weighted_mean(accept, verify) if sum(verify) else 1.0,
-            "median_ttft_s": report.median(r.ttft for r in records)}
+    stats = entry["per_category"].setdefault(category, {"num_requests": 0, "tokens": 0, "wall_s": 0.0,
+                                                        "verify_ct": 0, "_accepted": 0.0, "_ttft": []})
+    stats["num_requests"] += len(records)
+    stats["tokens"] += sum(len(r.output_ids) for r in records)
+    stats["wall_s"] += wall
+    for rec in records:
+        verify = rec.meta.get("spec_verify_ct", 0) or 0
+        stats["verify_ct"] += verify
+        stats["_accepted"] += verify * (rec.meta.get("spec_accept_length", 1.0) or 1.0)
+        stats["_ttft"].append(rec.ttft)
+
+
+def _finish_entry(entry: dict[str, Any]) -> None:
+    for stats in entry["per_category"].values():
+        accepted, ttfts = stats.pop("_accepted"), stats.pop("_ttft")
+        stats["tok_s"] = stats["tokens"] / stats["wall_s"] if stats["wall_s"] > 0 else float("nan")
+        stats["accept_length"] = accepted / stats["verify_ct"] if stats["verify_ct"] else 1.0
+        stats["median_ttft_s"] = report.median(ttfts)
+    entry["overall"] = _overall(entry["per_category"])
+    if entry["spec_kwargs"] and not entry["error"] and not entry["overall"]["verify_ct"]:
+        entry["warning"] = INACTIVE_WARNING
+    if entry["histogram"]:
+        entry["histogram"]["overall"] = _sum_histograms(list(entry["histogram"].values()))
 
 
 def _overall(per_category: dict[str, dict[str, Any]]) -> dict[str, Any]:
