@@ -56,3 +56,32 @@ def load_training_prompts(folder: Path | None = None, limit: int | None = None,
     for i in range(max(len(s) for s in per_source)):
         mixed.extend(s[i] for s in per_source if i < len(s))
     return mixed[:limit] if limit else mixed
+
+
+REFERENCE_ANSWERS = {   # file -> (user message, reference answer) of one record
+    "gpteacher_codegen.json": lambda r: (_with_input(r.get("instruction"), r.get("input")), r.get("response")),
+    "gpteacher_roleplay.json": lambda r: (_with_input(r.get("instruction"), r.get("input")), r.get("response")),
+    "gsm8k_train.jsonl": lambda r: (r.get("question"), r.get("answer")),
+}
+
+
+def load_reference_answers(folder: Path | None = None, limit: int | None = None,
+                           seed: int = 0) -> list[tuple[str, str, str]]:
+    """[(source, user message, the dataset's own answer)], mixed like ``load_training_prompts``.
+    Teacher-forced with the target's soft labels, these add contexts the regenerated answers
+    (slow to produce on a CPU) cannot cover."""
+    folder = Path(folder) if folder else default_train_dir()
+    rng = random.Random(seed + 1)
+    per_source = []
+    for name, extract in REFERENCE_ANSWERS.items():
+        path = folder / name
+        if not path.exists():
+            continue
+        pairs = [p for p in (extract(r) for r in _records(path)) if p[0] and p[1]
+                 and len(p[0]) + len(p[1]) <= 2 * MAX_PROMPT_CHARS]
+        rng.shuffle(pairs)
+        per_source.append([(path.name.split(".")[0] + "_reference", q, a) for q, a in pairs])
+    mixed = []
+    for i in range(max((len(s) for s in per_source), default=0)):
+        mixed.extend(s[i] for s in per_source if i < len(s))
+    return mixed[:limit] if limit else mixed

@@ -71,3 +71,21 @@ def regenerate(engine: LLMEngine, prompts: list[tuple[str, str]], out_path: Path
                     written += 1
                     bar.update(1)
     return written
+
+
+def write_reference_records(tokenizer, pairs: list[tuple[str, str, str]], out_path: Path,
+                            first_index: int = 1_000_000, max_tokens: int = 768) -> int:
+    """Records in the regenerated-answer format for (source, question, reference answer)
+    triples, so capture and training treat them alike (indices from ``first_index``)."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with open(out_path, "w", encoding="utf-8") as out:
+        for offset, (source, question, answer) in enumerate(tqdm(pairs, desc="reference answers")):
+            ids = chat_prompt_ids(tokenizer, question)
+            answer_ids = tokenizer.encode(answer) + list(tokenizer.eos_token_ids[:1])
+            if len(ids) + len(answer_ids) > max_tokens:
+                continue
+            out.write(json.dumps({"index": first_index + offset, "source": source, "input_ids": ids,
+                                  "output_ids": answer_ids}) + "\n")
+            written += 1
+    return written
