@@ -52,7 +52,7 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
 @dataclass
 class CaptureConfig:
     model_path: str | None
-    answers_path: str
+    answers_path: str | list[str]     # one regenerate JSONL, or several (comma-separated or a list)
     out_dir: str
     aux_layer_ids: tuple[int, ...] | None = None   # None: default_aux_layer_ids(L)
     features: tuple[str, ...] = FEATURE_KINDS
@@ -101,26 +101,35 @@ class CaptureInfo:
 
 # ---- records -------------------------------------------------------------------------
 
-def read_records(answers_path: str | os.PathLike, skip: set[int] | None = None,
+def answer_files(answers: str | os.PathLike | list) -> list[Path]:
+    """A list of answer files from a path, a comma-separated string of paths, or a list."""
+    if isinstance(answers, (list, tuple)):
+        return [Path(p) for p in answers]
+    return [Path(p) for p in str(answers).split(",") if p.strip()]
+
+
+def read_records(answers: str | os.PathLike | list, skip: set[int] | None = None,
                  limit: int | None = None) -> Iterator[dict]:
-    """Records of a regenerate JSONL file in file order, without those in ``skip``.
-    ``limit`` counts records from the file start (done or not), so it is stable on resume."""
+    """Records of regenerate JSONL file(s) in file order, without those in ``skip``. ``limit``
+    counts records from the start (done or not), so it is stable on resume. Record indices
+    must be unique across the files (reference-answer records start at 1,000,000)."""
     skip = skip or set()
-    with open(answers_path, encoding="utf-8") as f:
-        seen = 0
-        for line in f:
-            if not line.strip():
-                continue
-            if limit is not None and seen >= limit:
-                return
-            seen += 1
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:   # a line still being written by a running regenerate
-                logger.warning("skipping an incomplete line in %s", answers_path)
-                continue
-            if record["index"] not in skip:
-                yield record
+    seen = 0
+    for path in answer_files(answers):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                if limit is not None and seen >= limit:
+                    return
+                seen += 1
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:   # a line still being written by a running regenerate
+                    logger.warning("skipping an incomplete line in %s", path)
+                    continue
+                if record["index"] not in skip:
+                    yield record
 
 
 def record_tokens(record: dict, max_seq_len: int) -> tuple[list[int], int]:
@@ -292,7 +301,8 @@ def capture(cfg: CaptureConfig, target: TargetFeatures | None = None) -> int:
     info = CaptureInfo(model_path=str(cfg.model_path or "default"), hidden_size=mcfg.hidden_size,
                        vocab_size=mcfg.vocab_size, num_layers=mcfg.num_hidden_layers,
                        aux_layer_ids=list(target.aux_layer_ids), features=list(cfg.features), top_k=cfg.top_k,
-                       feature_dtype=cfg.feature_dtype, answers_path=str(cfg.answers_path))
+                       feature_dtype=cfg.feature_dtype,
+                       answers_path=",".join(map(str, answer_files(cfg.answers_path))))
     _check_or_write_info(out, info)
     done = captured_indices(out)
     writer = ShardWriter(out, cfg.shard_tokens)
@@ -316,7 +326,7 @@ def _split_rows(group, max_rows: int):
 def _capture_group(target: TargetFeatures, group, cfg: CaptureConfig, writer: ShardWriter) -> int:
     with torch.inference_mode():
         logits, aux, final = target([ids for _, ids, _ in group])
-        topk_ids, topk_logp = topk_logprobs(logits, cfg.top_k)
+        topk_ids, topk_logp = (x.cpu() for x in topk_logprobs(logits, cfg.top_k))
     del logits
     offset = 0
     for record, ids, prompt_len in group:

@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", required=True, help="folder for answers, captured features and checkpoints")
     p.add_argument("--out", default=None, help="exported head directory (export stage)")
     p.add_argument("--model-path", default=None, help="target model (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--answers", default=None, help="regenerated answers JSONL (default WORK/answers.jsonl)")
+    p.add_argument("--answers", default=None,
+                   help="answer JSONL file(s), comma-separated (default WORK/answers.jsonl; regenerate "
+                        "appends to the first)")
     p.add_argument("--threads", type=int, default=None, help="torch compute threads")
     p.add_argument("--device", default="cpu", help="cpu or cuda (capture and train)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -90,8 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- stages --------------------------------------------------------------------------
 
+def answers_paths(args) -> list[Path]:
+    if args.answers:
+        return [Path(p) for p in args.answers.split(",") if p.strip()]
+    return [Path(args.work_dir) / "answers.jsonl"]
+
+
 def answers_path(args) -> Path:
-    return Path(args.answers) if args.answers else Path(args.work_dir) / "answers.jsonl"
+    """The file regenerate writes to."""
+    return answers_paths(args)[0]
+
+
+def _need_answers(args, why: str) -> list[Path]:
+    paths = answers_paths(args)
+    for path in paths:
+        _need_file(path, f"--answers ({why})")
+    return paths
 
 
 def capture_dir(args) -> Path:
@@ -108,7 +124,7 @@ def run_regenerate(args) -> None:
     from specserve.train.prompts import load_training_prompts
     from specserve.train.regenerate import regenerate
 
-    prompts = load_training_prompts(args.prompt_dir, limit=args.num_prompts, seed=args.seed)
+    prompts = load_training_prompts(args.prompt_dir, limit=args.num_prompts)   # fixed order: indices resume
     engine = LLMEngine(ServerArgs.from_kwargs(model_path=args.model_path, dtype=args.regen_dtype,
                                               max_running_requests=args.regen_batch, log_level="warning"))
     written = regenerate(engine, prompts, answers_path(args), max_new_tokens=args.max_new_tokens)
@@ -118,8 +134,8 @@ def run_regenerate(args) -> None:
 def run_capture(args) -> None:
     from specserve.train.capture import CaptureConfig, capture
 
-    _need_file(answers_path(args), "--answers (or run --stage regenerate)")
-    cfg = CaptureConfig(model_path=args.model_path, answers_path=str(answers_path(args)), out_dir=str(capture_dir(args)),
+    paths = _need_answers(args, "or run --stage regenerate")
+    cfg = CaptureConfig(model_path=args.model_path, answers_path=[str(p) for p in paths], out_dir=str(capture_dir(args)),
                         aux_layer_ids=_int_list(args.aux_layer_ids, "--aux-layer-ids"),
                         features=tuple(f.strip() for f in args.capture_features.split(",") if f.strip()),
                         top_k=args.top_k, feature_dtype=args.feature_dtype, batch_tokens=args.capture_batch_tokens,
@@ -132,9 +148,9 @@ def run_capture(args) -> None:
 def run_frspec(args) -> None:
     from specserve.train.frspec import count_tokens, top_frequent_ids, write_token_map
 
-    _need_file(answers_path(args), "--answers (or run --stage regenerate)")
+    paths = _need_answers(args, "or run --stage regenerate")
     vocab_size = _target_vocab_size(args)
-    ids = top_frequent_ids(count_tokens(answers_path(args)), args.token_map_size, vocab_size)
+    ids = top_frequent_ids(count_tokens(paths), args.token_map_size, vocab_size)
     if args.token_map_out:
         out = Path(args.token_map_out)
     else:
@@ -155,8 +171,8 @@ def draft_vocab(args, vocab_size: int) -> list[int]:
             raise UsageError(f"--draft-vocab-size {args.draft_vocab_size}: {path} holds {len(ids)} ids from an "
                              f"earlier run; delete it (and the checkpoints) or pass --draft-vocab-size {len(ids)}")
         return list(ids)
-    _need_file(answers_path(args), "--answers (the draft vocabulary comes from the answers)")
-    ids = top_frequent_ids(count_tokens(answers_path(args)), args.draft_vocab_size, vocab_size)
+    paths = _need_answers(args, "the draft vocabulary comes from the answers")
+    ids = top_frequent_ids(count_tokens(paths), args.draft_vocab_size, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(ids, path)
     return ids

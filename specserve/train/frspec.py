@@ -10,20 +10,23 @@ from pathlib import Path
 import torch
 
 
-def count_tokens(answers_path: str | os.PathLike, include_prompt: bool = False) -> Counter:
-    """Occurrences of every token id in the answers (and prompts if asked) of a regenerate JSONL."""
+def count_tokens(answers, include_prompt: bool = False) -> Counter:
+    """Occurrences of every token id in the answers (and prompts if asked) of regenerate
+    JSONL file(s): a path, a comma-separated string of paths, or a list."""
+    paths = answers if isinstance(answers, (list, tuple)) else str(answers).split(",")
     counts: Counter = Counter()
-    with open(answers_path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:   # the last line of a file still being written
-                continue
-            counts.update(record["output_ids"])
-            if include_prompt:
-                counts.update(record["input_ids"])
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:   # the last line of a file still being written
+                    continue
+                counts.update(record["output_ids"])
+                if include_prompt:
+                    counts.update(record["input_ids"])
     return counts
 
 

@@ -113,6 +113,16 @@ def test_capture_resumes_after_interruption(tiny, answers, captured, tmp_path):
             np.testing.assert_array_equal(resumed[index][name], value, err_msg=f"{index} {name}")
 
 
+def test_capture_reads_several_answer_files(tiny, answers, captured, tmp_path):
+    lines = answers.read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[:20]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[20:]))
+    capture(capture_cfg(tiny, answers, tmp_path / "cap", answers_path=f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"))
+    split, whole = read_capture(tmp_path / "cap"), read_capture(captured)
+    assert sorted(split) == sorted(whole)
+    np.testing.assert_array_equal(split[100]["aux"], whole[100]["aux"])
+
+
 def test_capture_refuses_a_different_setup(tiny, answers, captured, tmp_path):
     out = tmp_path / "cap"
     shutil.copytree(captured, out)
