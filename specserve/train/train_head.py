@@ -364,8 +364,16 @@ class HeadTrainer:
         self.head.train()
         return {f"val_{k}": v / count for k, v in sums.items()}
 
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch within it) of optimizer step ``step`` (epochs pack to different counts)."""
+        epoch = 0
+        while step >= len(self.loader.plan(epoch)):
+            step -= len(self.loader.plan(epoch))
+            epoch += 1
+        return epoch, step
+
     def batches_from(self, step: int):
-        epoch, start = divmod(step, self.steps_per_epoch)
+        epoch, start = self.position(step)
         while True:
             yield from self.loader.batches(epoch, start)
             epoch, start = epoch + 1, 0

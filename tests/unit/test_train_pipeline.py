@@ -159,15 +159,17 @@ def test_training_reduces_loss(tiny, captured, tmp_path, algorithm):
 
 
 def test_resume_continues_exactly(tiny, captured, tmp_path):
-    whole = trainer(tiny, captured, tmp_path / "a", max_steps=8)
+    """Interrupted after step 11 of 14 (past the first epoch), resumed: the same weights."""
+    whole = trainer(tiny, captured, tmp_path / "a", max_steps=14)
+    assert whole.steps_per_epoch < 11
     whole.train()
-    part = trainer(tiny, captured, tmp_path / "b", max_steps=8)
+    part = trainer(tiny, captured, tmp_path / "b", max_steps=14)
     batches = part.batches_from(0)
-    for _ in range(4):
+    for _ in range(11):
         part.train_step(next(batches))
     part.save_checkpoint()
-    resumed = trainer(tiny, captured, tmp_path / "b", max_steps=8, resume=True)
-    assert resumed.step == 4
+    resumed = trainer(tiny, captured, tmp_path / "b", max_steps=14, resume=True)
+    assert resumed.step == 11
     resumed.train()
     for (name, a), b in zip(whole.head.state_dict().items(), resumed.head.state_dict().values()):
         assert torch.equal(a, b), name
