@@ -171,12 +171,8 @@ class TargetFeatures:
                                   max_rows=max_rows, max_row_len=max_seq_len + 1)
         self.aux_layer_ids = tuple(sorted(aux_layer_ids or default_aux_layer_ids(model_config.num_hidden_layers)))
         self.runner.model.aux_layer_ids = self.aux_layer_ids
-        self._final: torch.Tensor | None = None
-        self.runner.model.model.norm.register_forward_hook(self._keep_final)
+        self.runner.capture_features = "final"     # left in last_features by every forward
         self.max_rows = max_rows
-
-    def _keep_final(self, module, inputs, output) -> None:
-        self._final = output
 
     def __call__(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [T, V], aux [T, 3H], final [T, H]) for the concatenated sequences."""
@@ -189,7 +185,7 @@ class TargetFeatures:
                                     new_slots=list(range(offset, offset + n)), num_logits=n))
             offset += n
         logits, aux = self.runner.forward(specs, features="aux")
-        final, self._final = self._final, None
+        final, self.runner.last_features = self.runner.last_features, None
         return logits, aux, final
 
 
