@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=2, help="packed rows per optimizer step")
     g.add_argument("--epochs", type=float, default=1.0)
     g.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr-ratio", type=float, default=0.05, help="cosine floor as a fraction of --lr")
     g.add_argument("--warmup-steps", type=int, default=50)
     g.add_argument("--weight-decay", type=float, default=0.0)

@@ -54,7 +54,7 @@ class TrainConfig:
     batch_size: int = 2                  # packed rows per optimizer step
     epochs: float = 1.0
     max_steps: int | None = None
-    lr: float = 3e-4
+    lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 50
     weight_decay: float = 0.0
