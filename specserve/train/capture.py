@@ -303,13 +303,14 @@ def capture(cfg: CaptureConfig, target: TargetFeatures | None = None) -> int:
     done = captured_indices(out)
     writer = ShardWriter(out, cfg.shard_tokens)
     records = read_records(cfg.answers_path, skip=done, limit=cfg.max_records)
-    captured = 0
+    captured = num_records = 0
     with tqdm(desc="capture", unit="tok", dynamic_ncols=True) as bar:
         for group in batches(records, cfg.batch_tokens, cfg.max_seq_len):
             for row_group in _split_rows(group, target.max_rows):
                 captured += _capture_group(target, row_group, cfg, writer)
+            num_records += len(group)
             bar.update(sum(len(ids) for _, ids, _ in group))
-            bar.set_postfix(records=len(done) + len(writer.records), shards=writer.next_shard)
+            bar.set_postfix(records=len(done) + num_records, shards=writer.next_shard)
     writer.flush()
     return captured
 
