@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     tokenizer = Tokenizer.load(args.tokenizer_path or model_path)
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
-    args = _with_shipped_draft(args)
+    args = _with_shipped_draft(args, model_path)
     spec = resolve_spec_params(args, cfg)
     spec_width = spec.num_draft_tokens if spec else 1   # KV slots per decode step per request
     try:
@@ -101,9 +102,9 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
                        spec_worker)
 
 
-def _with_shipped_draft(args: ServerArgs) -> ServerArgs:
+def _with_shipped_draft(args: ServerArgs, model_path: str) -> ServerArgs:
     """The default model with EAGLE3 / EAGLE / STANDALONE and no draft path: the shipped draft."""
-    if args.model_path is not None or args.speculative_draft_model_path:
+    if args.speculative_draft_model_path or not _is_default_model(model_path):
         return args
     from specserve.drafts import shipped_draft
 
@@ -112,6 +113,15 @@ def _with_shipped_draft(args: ServerArgs) -> ServerArgs:
         return args
     logger.info("--speculative-algorithm %s: using the shipped draft %s", args.speculative_algorithm, path)
     return dataclasses.replace(args, speculative_draft_model_path=str(path))
+
+
+def _is_default_model(model_path: str) -> bool:
+    from specserve.loading.default_model import default_model_path
+
+    try:
+        return Path(model_path).resolve() == default_model_path().resolve()
+    except OSError:
+        return False
 
 
 def _fall_back_to_plain(args: ServerArgs, exc: Exception) -> None:

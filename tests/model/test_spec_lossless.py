@@ -20,6 +20,8 @@ EVAL_FILES = ("vicuna_bench.jsonl", "eagle_humaneval.jsonl", "eagle_gsm8k.jsonl"
 COPY_TEXT = ("Repeat this text exactly: The quick brown fox jumps over the lazy dog. Pack my box with "
              "five dozen liquor jugs. How vexingly quick daft zebras jump.")
 NEW_TOKENS = 24
+SHIPPED = ("EAGLE3", "EAGLE", "STANDALONE")
+ALGOS = ["NGRAM", "STANDALONE"] + [f"shipped {a}" for a in SHIPPED]
 ENGINE_KW = {"dtype": "float32", "max_total_tokens": 8192, "context_length": 2048}
 
 
@@ -64,9 +66,20 @@ def engines(default_gguf_path, truncated_draft) -> dict[str, Engine]:
         "SELF": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": default_gguf_path,
                  "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4},
     }
+    from specserve.drafts import shipped_draft
+
+    for algo in SHIPPED:                       # the drafts trained for the default model
+        if shipped_draft(algo) is not None:
+            specs["shipped " + algo] = {"speculative_algorithm": algo}
     for name, kw in specs.items():
         built[name] = _always(lambda kw=kw: Engine(model_path=default_gguf_path, **ENGINE_KW, **kw))
     return built
+
+
+def _engine_for(engines, algo):
+    if algo not in engines:
+        pytest.skip(f"no {algo} engine: its shipped draft is not in specserve/drafts")
+    return engines[algo]
 
 
 @pytest.fixture(scope="module")
@@ -94,23 +107,25 @@ def _assert_no_kv_leak(engine: Engine):
     assert usage["free"] + usage["evictable"] == usage["total"], usage
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_greedy_lossless_one_at_a_time(engines, prompt_ids, algo):
+    engine = _engine_for(engines, algo)
     params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
     for ids in prompt_ids[::3]:                     # 3 prompts from different files
-        ours = _generate(engines[algo], ids, params)
+        ours = _generate(engine, ids, params)
         assert ours["output_ids"] == _plain(engines, ids, params)["output_ids"]
         assert ours["meta_info"]["spec_verify_ct"] > 0
-    _assert_no_kv_leak(engines[algo])
+    _assert_no_kv_leak(engine)
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_greedy_lossless_eight_concurrent(engines, prompt_ids, algo):
+    engine = _engine_for(engines, algo)
     params = [{"temperature": 0, "max_new_tokens": 8 + 2 * i} for i in range(len(prompt_ids))]
-    ours = _generate(engines[algo], prompt_ids, params)
+    ours = _generate(engine, prompt_ids, params)
     plain = _plain(engines, prompt_ids, params)
     assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in plain]
-    _assert_no_kv_leak(engines[algo])
+    _assert_no_kv_leak(engine)
 
 
 def test_ngram_copy_heavy_accepts_a_lot(engines):
