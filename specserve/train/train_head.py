@@ -137,7 +137,7 @@ def build_head(algorithm: str, target: LlamaForCausalLM, vocab_ids: list[int], *
 
         head = Eagle3Head(cfg, target_hidden_size=tcfg.hidden_size).to(device)
         d2t, _ = draft_vocab_maps(vocab_ids, tcfg.vocab_size)
-        head.d2t = d2t.to(device)
+        head.set_d2t(d2t.to(device))
         ids = head.draft_to_target(torch.arange(len(vocab_ids), device=device))
         _init_decoder(head)
         with torch.no_grad():
