@@ -63,6 +63,7 @@ class CaptureConfig:
     max_seq_len: int = 2048        # longer records are truncated (prompt + answer)
     max_records: int | None = None
     device: str = "cpu"
+    target_dtype: str = "float32"  # bfloat16: ~3x faster on CPUs with AMX; features within bf16 rounding
 
     def __post_init__(self) -> None:
         bad = [f for f in self.features if f not in FEATURE_KINDS]
@@ -161,12 +162,13 @@ class TargetFeatures:
 
     def __init__(self, model_path: str | None, aux_layer_ids: tuple[int, ...] | None, *,
                  max_tokens: int, max_seq_len: int, max_rows: int = 256, device: str = "cpu",
-                 model_config: ModelConfig | None = None, weights=None) -> None:
+                 model_config: ModelConfig | None = None, weights=None,
+                 dtype: torch.dtype = torch.float32) -> None:
         if model_config is None:
             model_config, weights = read_checkpoint(resolve_model_path(model_path))
         self.config = model_config
         num_slots = max(max_tokens, max_seq_len)
-        self.runner = ModelRunner(model_config, weights, dtype=torch.float32, device=device,
+        self.runner = ModelRunner(model_config, weights, dtype=dtype, device=device,
                                   max_position=max_seq_len + 1, num_kv_slots=num_slots, page_size=1,
                                   max_rows=max_rows, max_row_len=max_seq_len + 1)
         self.aux_layer_ids = tuple(sorted(aux_layer_ids or default_aux_layer_ids(model_config.num_hidden_layers)))
@@ -292,7 +294,8 @@ def capture(cfg: CaptureConfig, target: TargetFeatures | None = None) -> int:
     for leftover in out.glob(f"{SHARD_PREFIX}*.tmp"):
         shutil.rmtree(leftover)
     target = target or TargetFeatures(cfg.model_path, cfg.aux_layer_ids, max_tokens=cfg.batch_tokens,
-                                      max_seq_len=cfg.max_seq_len, device=cfg.device)
+                                      max_seq_len=cfg.max_seq_len, device=cfg.device,
+                                      dtype=getattr(torch, cfg.target_dtype))
     mcfg = target.config
     info = CaptureInfo(model_path=str(cfg.model_path or "default"), hidden_size=mcfg.hidden_size,
                        vocab_size=mcfg.vocab_size, num_layers=mcfg.num_hidden_layers,

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-features", default="aux,final", help="aux (EAGLE3) and/or final (EAGLE)")
     g.add_argument("--top-k", type=int, default=32, help="target log-probs kept per position (soft labels)")
     g.add_argument("--feature-dtype", default="float16", choices=("float16", "bfloat16"))
+    g.add_argument("--capture-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="target dtype while capturing (bfloat16: faster on CPUs with AMX, features "
+                        "within bf16 rounding of the float32 serving ones)")
     g.add_argument("--capture-batch-tokens", type=int, default=2048, help="tokens per batched target prefill")
     g.add_argument("--shard-tokens", type=int, default=32768, help="tokens per shard file")
     g.add_argument("--max-seq-len", type=int, default=2048, help="records are truncated to this many tokens")
@@ -140,7 +143,7 @@ def run_capture(args) -> None:
                         features=tuple(f.strip() for f in args.capture_features.split(",") if f.strip()),
                         top_k=args.top_k, feature_dtype=args.feature_dtype, batch_tokens=args.capture_batch_tokens,
                         shard_tokens=args.shard_tokens, max_seq_len=args.max_seq_len, max_records=args.max_records,
-                        device=args.device)
+                        device=args.device, target_dtype=args.capture_dtype)
     tokens = capture(cfg)
     print(f"capture: {tokens} new tokens in {capture_dir(args)}")
 
