@@ -44,8 +44,8 @@ PROPOSERS = {
     "EAGLE": ("specserve.spec.eagle", "EagleProposer"),
     "EAGLE3": ("specserve.spec.eagle", "EagleProposer"),
 }
-COST_WIDTHS_REQUIRED = (1, 16)
-COST_WIDTHS_OPTIONAL = (4, 64, 256)
+COST_WIDTHS_REQUIRED = (1, 3, 4, 16)   # float32 CPU: up to 3 rows cost about 1, 4 jumps
+COST_WIDTHS_OPTIONAL = (8, 64, 256)
 TARGET_COST_BUDGET_S = 1.5
 POLICY_ENV = "SPECSERVE_SPEC_POLICY"   # auto (default) | always
 
