@@ -88,3 +88,17 @@ def test_rerank_with_fewer_pool_nodes_than_requested():
     pool, _ = dt.first_step(_logprobs({1: 0.6, 2: 0.3}), topk=2)
     tokens, parents = dt.rerank(pool, torch.tensor([0]), num_nodes=8)
     assert tokens.shape == (1, 3) and parents.tolist() == [[-1, 0, 0]]
+
+
+def test_token_map_turns_draft_vocab_ids_into_target_ids():
+    """A draft with its own vocabulary (EAGLE3 d2t, FR-Spec): trees hold target ids, scores unchanged."""
+    token_map = torch.tensor([40, 41, 42, 43, 44, 45])
+    root = _logprobs({3: 0.5, 1: 0.3})
+    pool, frontier = dt.first_step(root, topk=2, token_map=token_map)
+    assert pool.tokens.tolist() == [[43, 41]] and frontier.tokens.tolist() == [[43, 41]]
+    children = torch.stack([_logprobs({2: 0.9}), _logprobs({5: 0.6, 0: 0.3})], dim=1)   # [1, K, V]
+    pool, frontier = dt.expand_step(pool, frontier, children, topk=2, token_map=token_map)
+    plain_pool, plain_frontier = dt.expand_step(*dt.first_step(root, topk=2), children, topk=2)
+    assert pool.tokens.tolist() == [[token_map[t].item() for t in plain_pool.tokens[0]]]
+    assert torch.equal(pool.scores, plain_pool.scores) and torch.equal(pool.parents, plain_pool.parents)
+    assert frontier.tokens.tolist() == [[token_map[t].item() for t in plain_frontier.tokens[0]]]
