@@ -112,7 +112,7 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         algorithm = normalize_algorithm("EAGLE" if use_token_map else name)
         if algorithm is None:
             continue
-        if algorithm in NEEDS_DRAFT_MODEL and not args.draft_model_path and args.model_path is not None:
+        if algorithm in NEEDS_DRAFT_MODEL and not args.draft_model_path and not _is_default_model(args.model_path):
             raise ValueError(f"--algorithm {algorithm} needs --draft-model-path (only the default model "
                              "has shipped drafts)")
         extra = {"speculative_token_map": _token_map(args)} if use_token_map else {}
@@ -123,6 +123,14 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             label = f"{label_prefix} {config.label}" if len(names) > 1 else config.label
             runs.append((label, dict(spec, **extra)))
     return runs
+
+
+def _is_default_model(model_path: str | None) -> bool:
+    from pathlib import Path
+
+    from specserve.loading.default_model import default_model_path
+
+    return model_path is None or Path(model_path).resolve() == default_model_path().resolve()
 
 
 def _grid_for(grid: str, name: str, is_multi: bool) -> str:
