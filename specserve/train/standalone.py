@@ -459,7 +459,7 @@ class _TiedHeadCE(torch.autograd.Function):
         for r in range(0, len(h), ctx.chunk):
             rows = slice(r, r + ctx.chunk)
             probs = (h[rows] @ w.T).float().add_(bias).sub_(lse[rows, None]).exp_()      # softmax [c, V]
-            probs.scatter_add_(1, label_ids[rows], -label_probs[rows])
+            probs.scatter_add_(1, label_ids[rows], -label_probs[rows].float())
             grad = probs.mul_(grad_ce[rows, None]).to(h.dtype)
             grad_h[rows] = grad @ w
             grad_w += (grad.T @ h[rows]).float()
