@@ -38,29 +38,21 @@ import torch
 from specserve.core import Request
 from specserve.runner.model_runner import ExtendSpec, ModelRunner
 from specserve.spec import dynamic_tree as dt
-from specserve.spec.base import Proposer, ProposerContext, sync_fn
-from specserve.spec.policy import CostCurve, measure_cost_curve
+from specserve.spec.base import ProposerContext
+from specserve.spec.mirrored_draft import MirroredDraftProposer
 from specserve.spec.state import spec_state, tail_ids
 from specserve.spec.tree import DraftTree, truncate_tree
 
-DRAFT_COST_BUDGET_S = 0.4
 
-
-class DraftModelProposer(Proposer):
+class DraftModelProposer(MirroredDraftProposer):
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         cfg, weights = ctx.draft_checkpoint
-        self.topk, self.num_steps = ctx.params.topk, ctx.params.num_steps
-        self.num_target_slots = ctx.pool.capacity_tokens
-        self.scratch_per_row = self.topk * (self.num_steps - 1)
-        num_slots = self.num_target_slots + ctx.num_rows * self.scratch_per_row
         target = ctx.target_runner
         self.runner = ModelRunner(cfg, weights, dtype=target.dtype, device=str(target.device),
                                   max_position=ctx.context_len + ctx.params.num_draft_tokens + self.num_steps + 1,
-                                  num_kv_slots=num_slots, page_size=1, max_rows=ctx.num_rows * self.topk,
+                                  num_kv_slots=self.num_draft_slots, page_size=1, max_rows=ctx.num_rows * self.topk,
                                   max_row_len=ctx.context_len + self.num_steps + 2)
-        self.is_valid = bytearray(self.num_target_slots)
-        self.cost = CostCurve([1], [0.0])
 
     # ---- prefill ----------------------------------------------------------------------
     def on_prefill(self, engine, items: list) -> None:
@@ -91,10 +83,6 @@ class DraftModelProposer(Proposer):
             self._mark(item.new_slots[1:], False)       # the target writes tree nodes there
         return [truncate_tree(DraftTree(tokens[b], parents[b]), cap) for b, cap in enumerate(max_nodes)]
 
-    def on_skipped(self, engine, items: list) -> None:
-        for item in items:
-            self._mark(item.new_slots, False)
-
     def _catch_up(self, engine, items: list) -> torch.Tensor:
         """Extend over all tokens the draft has not seen, root included. Returns logits [bs, V]."""
         specs = []
@@ -116,7 +104,7 @@ class DraftModelProposer(Proposer):
     def _grow(self, engine, items: list, pool: dt.TreePool, frontier: dt.Frontier) -> dt.TreePool:
         """Draft steps 1 .. S-1: forward the frontier, expand it by top-K."""
         bs, k = len(items), self.topk
-        self._copy_base_rows(engine, items)
+        self._copy_base_rows(engine, items, max(item.req.seq_len for item in items))
         paths = [[[] for _ in range(k)] for _ in range(bs)]      # ancestors' scratch slots per node
         tokens = frontier.tokens.cpu().tolist()                  # host copy: ExtendSpec takes lists
         for step in range(1, self.num_steps):
@@ -140,49 +128,10 @@ class DraftModelProposer(Proposer):
                                         new_slots=[self._scratch(b, step, k)]))
         return specs
 
-    def _copy_base_rows(self, engine, items: list) -> None:
-        """Rows K*r+1 .. K*r+K-1 get row K*r's committed prefix (one device copy)."""
-        if self.topk == 1:
-            return
-        bases = [self._base_row(engine, item.req) for item in items]
-        width = max(item.req.seq_len for item in items)
-        table = self.runner.req_to_token
-        dst = torch.tensor([b + k for b in bases for k in range(1, self.topk)], device=table.device)
-        src = torch.tensor([b for b in bases for _ in range(1, self.topk)], device=table.device)
-        table[dst, :width] = table[src, :width]
-
-    # ---- helpers ----------------------------------------------------------------------
-    def _base_row(self, engine, req: Request) -> int:
-        return engine.scheduler.row_of[req.rid] * self.topk
-
-    def _scratch(self, batch_index: int, step: int, k: int) -> int:
-        return self.num_target_slots + batch_index * self.scratch_per_row + (step - 1) * self.topk + k
-
-    def _mark(self, slots: list[int], value: bool) -> None:
-        flag = 1 if value else 0
-        is_valid = self.is_valid
-        for slot in slots:
-            if slot < self.num_target_slots:
-                is_valid[slot] = flag
-
     # ---- cost -------------------------------------------------------------------------
     def measure_cost(self) -> None:
-        def forward(width: int) -> None:
-            slots = list(range(width))          # target-mirror slots, nothing valid is overwritten...
-            self.runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * width, new_slots=slots)])
-            self._mark(slots, False)            # ...because they are marked stale afterwards
-
-        limit = min(self.num_target_slots, self.ctx.context_len)
-        self.cost = measure_cost_curve(forward, [w for w in (1, 16) if w <= limit] or [1],
-                                       [w for w in (4, 64) if w <= limit], DRAFT_COST_BUDGET_S,
-                                       sync_fn(self.runner.device))
-
-    def max_depth(self, max_nodes: int) -> int:
-        return min(self.num_steps, max_nodes - 1)
-
-    def draft_cost(self, batch_size: int) -> float:
-        """Catch-up (about 2 tokens per request) plus S - 1 frontier forwards of K tokens each."""
-        return self.cost(2 * batch_size) + (self.num_steps - 1) * self.cost(batch_size * self.topk)
+        self._measure_cost(lambda slots: self.runner.forward(
+            [ExtendSpec(row=0, prefix_len=0, token_ids=[0] * len(slots), new_slots=slots)]))
 
 
 class _DraftState:

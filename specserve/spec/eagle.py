@@ -31,36 +31,30 @@ from specserve.core import Request
 from specserve.runner.head_runner import HeadRunner
 from specserve.runner.model_runner import ExtendSpec
 from specserve.spec import dynamic_tree as dt
-from specserve.spec.base import Proposer, ProposerContext, sync_fn
-from specserve.spec.policy import CostCurve, measure_cost_curve
+from specserve.spec.base import ProposerContext
+from specserve.spec.mirrored_draft import MirroredDraftProposer
 from specserve.spec.state import spec_state, tail_ids
 from specserve.spec.tree import DraftTree, truncate_tree
 
-DRAFT_COST_BUDGET_S = 0.3
+class EagleProposer(MirroredDraftProposer):
+    cost_budget_s = 0.3
 
-
-class EagleProposer(Proposer):
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         from specserve.models.draft_head import load_draft_head
 
         target, params, args = ctx.target_runner, ctx.params, ctx.server_args
-        self.topk, self.num_steps = params.topk, params.num_steps
         self.head = load_draft_head(params.algorithm, args.speculative_draft_model_path, target.model,
                                     ctx.target_path, dtype=target.dtype, device=str(target.device),
                                     max_position=ctx.context_len + params.num_draft_tokens + self.num_steps + 2,
                                     token_map_path=args.speculative_token_map)
         target.model.aux_layer_ids = tuple(self.head.aux_layer_ids)
         target.capture_features = self.head.feature_kind
-        self.num_target_slots = ctx.pool.capacity_tokens
-        self.scratch_per_row = self.topk * max(self.num_steps - 1, 0)
-        self.runner = HeadRunner(self.head, num_kv_slots=self.num_target_slots + ctx.num_rows * self.scratch_per_row,
+        self.runner = HeadRunner(self.head, num_kv_slots=self.num_draft_slots,
                                  max_rows=ctx.num_rows * self.topk, max_row_len=ctx.context_len + self.num_steps + 2)
         ids = torch.arange(self.head.draft_vocab_size, device=target.device)
         mapped = self.head.draft_to_target(ids)
         self.token_map = None if torch.equal(mapped, ids) else mapped
-        self.is_valid = bytearray(self.num_target_slots)
-        self.cost = CostCurve([1], [0.0])
 
     # ---- target features ----------------------------------------------------------
     def on_prefill(self, engine, items: list) -> None:
@@ -85,10 +79,6 @@ class EagleProposer(Proposer):
             state = _state(item.req)
             state.push(features.index_select(0, rows), state.pending_end)
             offset += tree.num_nodes
-
-    def on_skipped(self, engine, items: list) -> None:
-        for item in items:
-            self._mark(item.new_slots, False)
 
     # ---- drafting -----------------------------------------------------------------
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
@@ -139,7 +129,7 @@ class EagleProposer(Proposer):
               root_hidden: Tensor) -> dt.TreePool:
         """Draft steps 1 .. S-1: forward the frontier (each node fed its parent's output)."""
         bs, k = len(items), self.topk
-        self._copy_base_rows(engine, items)
+        self._copy_base_rows(engine, items, max(_state(item.req).row_len for item in items))
         hidden = root_hidden.repeat_interleave(k, dim=0)                          # [bs*K, H]
         paths = [[[] for _ in range(k)] for _ in range(bs)]
         tokens = frontier.tokens.cpu().tolist()
@@ -167,52 +157,15 @@ class EagleProposer(Proposer):
                                         positions=[position]))
         return specs
 
-    def _copy_base_rows(self, engine, items: list) -> None:
-        """Rows K*r+1 .. K*r+K-1 get row K*r's entries (one device copy)."""
-        if self.topk == 1:
-            return
-        bases = [self._base_row(engine, item.req) for item in items]
-        width = max(_state(item.req).row_len for item in items)
-        table = self.runner.req_to_token
-        dst = torch.tensor([b + k for b in bases for k in range(1, self.topk)], device=table.device)
-        src = torch.tensor([b for b in bases for _ in range(1, self.topk)], device=table.device)
-        table[dst, :width] = table[src, :width]
-
-    # ---- helpers ------------------------------------------------------------------
-    def _base_row(self, engine, req: Request) -> int:
-        return engine.scheduler.row_of[req.rid] * self.topk
-
-    def _scratch(self, batch_index: int, step: int, k: int) -> int:
-        return self.num_target_slots + batch_index * self.scratch_per_row + (step - 1) * self.topk + k
-
-    def _mark(self, slots: list[int], value: bool) -> None:
-        flag = 1 if value else 0
-        is_valid = self.is_valid
-        for slot in slots:
-            if slot < self.num_target_slots:
-                is_valid[slot] = flag
-
     # ---- cost -----------------------------------------------------------------------
     def measure_cost(self) -> None:
-        width_in = self.head.feature_size
+        def forward(slots: list[int]) -> None:
+            hidden = torch.zeros(len(slots), self.head.feature_size, dtype=self.runner.dtype,
+                                 device=self.runner.device)
+            self.runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * len(slots), new_slots=slots)],
+                                hidden)
 
-        def forward(width: int) -> None:
-            slots = list(range(width))         # target-mirror slots, marked stale afterwards
-            hidden = torch.zeros(width, width_in, dtype=self.runner.dtype, device=self.runner.device)
-            self.runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * width, new_slots=slots)], hidden)
-            self._mark(slots, False)
-
-        limit = min(self.num_target_slots, self.ctx.context_len)
-        self.cost = measure_cost_curve(forward, [w for w in (1, 16) if w <= limit] or [1],
-                                       [w for w in (4, 64) if w <= limit], DRAFT_COST_BUDGET_S,
-                                       sync_fn(self.runner.device))
-
-    def max_depth(self, max_nodes: int) -> int:
-        return min(self.num_steps, max_nodes - 1)
-
-    def draft_cost(self, batch_size: int) -> float:
-        """Catch-up (about 2 entries per request) plus S - 1 frontier forwards of K tokens each."""
-        return self.cost(2 * batch_size) + (self.num_steps - 1) * self.cost(batch_size * self.topk)
+        self._measure_cost(forward)
 
 
 class _EagleState:
