@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.cache.radix import RadixCache
 from specserve.config import ConfigError, ModelConfig, ServerArgs
+from specserve.loading.default_model import is_default_model
 from specserve.loading.loader import read_checkpoint, resolve_model_path
 from specserve.models.attention import KVCache, get_backend
 from specserve.runner.memory import plan_kv_budget
@@ -59,7 +59,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     try:
         draft = _read_draft(args, spec, cfg, tokenizer)
     except (OSError, ValueError, ConfigError) as exc:
-        spec, draft = _fall_back_to_plain(args, exc), None
+        _fall_back_to_plain(args, exc)
+        spec = draft = None
     kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
     budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
@@ -104,7 +105,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
 
 def _with_shipped_draft(args: ServerArgs, model_path: str) -> ServerArgs:
     """The default model with EAGLE3 / EAGLE / STANDALONE and no draft path: the shipped draft."""
-    if args.speculative_draft_model_path or not _is_default_model(model_path):
+    if args.speculative_draft_model_path or not is_default_model(model_path):
         return args
     from specserve.drafts import shipped_draft
 
@@ -115,20 +116,10 @@ def _with_shipped_draft(args: ServerArgs, model_path: str) -> ServerArgs:
     return dataclasses.replace(args, speculative_draft_model_path=str(path))
 
 
-def _is_default_model(model_path: str) -> bool:
-    from specserve.loading.default_model import default_model_path
-
-    try:
-        return Path(model_path).resolve() == default_model_path().resolve()
-    except OSError:
-        return False
-
-
 def _fall_back_to_plain(args: ServerArgs, exc: Exception) -> None:
     """A draft that cannot load turns speculation off rather than stopping the server."""
     logger.error("speculative decoding disabled, serving with plain decoding: the %s draft (%s) could not "
                  "be loaded: %s", args.speculative_algorithm, args.speculative_draft_model_path, exc)
-    return None
 
 
 def _read_draft(args: ServerArgs, spec, cfg: ModelConfig, tokenizer: Tokenizer):

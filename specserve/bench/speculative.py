@@ -17,6 +17,7 @@ from typing import Any
 from specserve.bench import prompts as prompt_data
 from specserve.bench import report
 from specserve.bench import serving
+from specserve.loading.default_model import is_default_model
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
 NEEDS_DRAFT_MODEL = ("STANDALONE", "EAGLE", "EAGLE3")
@@ -112,7 +113,7 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         algorithm = normalize_algorithm("EAGLE" if use_token_map else name)
         if algorithm is None:
             continue
-        if algorithm in NEEDS_DRAFT_MODEL and not args.draft_model_path and not _is_default_model(args.model_path):
+        if algorithm in NEEDS_DRAFT_MODEL and not args.draft_model_path and not is_default_model(args.model_path):
             raise ValueError(f"--algorithm {algorithm} needs --draft-model-path (only the default model "
                              "has shipped drafts)")
         extra = {"speculative_token_map": _token_map(args)} if use_token_map else {}
@@ -123,14 +124,6 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             label = f"{label_prefix} {config.label}" if len(names) > 1 else config.label
             runs.append((label, dict(spec, **extra)))
     return runs
-
-
-def _is_default_model(model_path: str | None) -> bool:
-    from pathlib import Path
-
-    from specserve.loading.default_model import default_model_path
-
-    return model_path is None or Path(model_path).resolve() == default_model_path().resolve()
 
 
 def _grid_for(grid: str, name: str, is_multi: bool) -> str:

