@@ -10,6 +10,12 @@ The torch SDPA backend gathers each request's K/V by slot index and runs one
 ``scaled_dot_product_attention`` with an explicit boolean mask. GQA is handled
 by folding the query heads of a group into the query axis, so K/V are never
 repeated.
+
+Decode-shaped forwards (at most ``ROW_INVARIANT_MAX_QUERY`` new tokens a request)
+run ``row_invariant_attention`` over a key axis padded to a multiple of
+``KEY_BLOCK``: its result for a query row does not depend on the other rows, on
+padding or on masked tree branches, which makes greedy speculative decoding
+bit-identical to plain decoding, in bfloat16 too.
 """
 from __future__ import annotations
 
@@ -17,6 +23,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from specserve.models.row_invariant_attention import KEY_BLOCK, row_invariant_attention
+
+ROW_INVARIANT_MAX_QUERY = 64
 
 
 @dataclass
@@ -28,6 +38,7 @@ class AttentionMetadata:
     output_index: torch.Tensor | None    # [T] rows of the padded [B * Q] output; None if T == B * Q
     batch_size: int
     max_query_len: int
+    row_invariant: bool = False          # keys padded to KEY_BLOCK: use row_invariant_attention
 
 
 class KVCache:
@@ -51,21 +62,27 @@ class KVCache:
 
 def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: torch.Tensor,
                    out_cache_loc: torch.Tensor, tree_masks: list[torch.Tensor | None] | None = None,
-                   num_kv_groups: int = 1) -> AttentionMetadata:
+                   num_kv_groups: int = 1, pad_slot: int | None = None) -> AttentionMetadata:
     """Metadata for one forward. ``kv_indices`` [B, >= max(prefix+extend)] holds each
     request's slots in token order (entries past its length are ignored).
-    ``num_kv_groups`` = query heads per KV head; the mask is laid out for it."""
+    ``num_kv_groups`` = query heads per KV head; the mask is laid out for it.
+    ``pad_slot`` (a zeroed KV slot) enables the row-invariant path for forwards of
+    at most ``ROW_INVARIANT_MAX_QUERY`` new tokens a request."""
     device = kv_indices.device
     batch_size, max_q = len(extend_lens), max(extend_lens)
     total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     max_len = max(total_lens)
+    row_invariant = pad_slot is not None and max_q <= ROW_INVARIANT_MAX_QUERY
+    if row_invariant:
+        kv_indices = _padded_key_slots(kv_indices, total_lens, pad_slot)
+        max_len = kv_indices.shape[1]
     kv_indices = kv_indices[:, :max_len]
     is_dense = all(e == max_q for e in extend_lens)
     query_index = output_index = None
     if not is_dense:
         query_index, output_index = _padding_indices(extend_lens, max_q, device)
     has_tree = tree_masks is not None and any(m is not None for m in tree_masks)
-    needs_mask = has_tree or max_q > 1 or len(set(total_lens)) > 1
+    needs_mask = row_invariant or has_tree or max_q > 1 or len(set(total_lens)) > 1
     mask = None
     if needs_mask:
         mask = _causal_mask(prefix_lens, extend_lens, max_q, max_len, device)
@@ -74,7 +91,20 @@ def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: t
         if num_kv_groups > 1:
             mask = mask.repeat(1, 1, num_kv_groups, 1)                        # [B, 1, g*Q, L]
     return AttentionMetadata(out_cache_loc, kv_indices, mask, query_index, output_index,
-                             batch_size, max_q)
+                             batch_size, max_q, row_invariant)
+
+
+def _padded_key_slots(kv_indices: torch.Tensor, total_lens: list[int], pad_slot: int) -> torch.Tensor:
+    """[B, L'] slots, L' = max length rounded up to KEY_BLOCK; every key past a request's
+    length reads ``pad_slot`` (zeros), so masked keys never hold stale or NaN data."""
+    padded_len = -(-max(total_lens) // KEY_BLOCK) * KEY_BLOCK
+    width = min(padded_len, kv_indices.shape[1])
+    slots = torch.full((kv_indices.shape[0], padded_len), pad_slot, dtype=kv_indices.dtype,
+                       device=kv_indices.device)
+    lens = torch.tensor(total_lens, device=kv_indices.device)[:, None]
+    live = torch.arange(width, device=kv_indices.device)[None, :] < lens
+    slots[:, :width] = torch.where(live, kv_indices[:, :width], pad_slot)
+    return slots
 
 
 def _padding_indices(extend_lens: list[int], max_q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +157,10 @@ class TorchSDPABackend:
         q = q.reshape(bsz, num_kv, group * max_q, head_dim)
         keys = k_layer[meta.kv_indices].transpose(1, 2)                     # [B, nkv, L, hd]
         values = v_layer[meta.kv_indices].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask)  # [B, nkv, g*Q, hd]
+        if meta.row_invariant:
+            out = row_invariant_attention(q, keys, values, meta.mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask)  # [B, nkv, g*Q, hd]
         out = out.view(bsz, num_kv, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(bsz * max_q, num_heads * head_dim)
         if meta.output_index is not None:

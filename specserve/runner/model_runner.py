@@ -108,7 +108,7 @@ class ModelRunner:
         rows = torch.tensor([s.row for s in specs], device=self.device)
         meta = build_metadata([s.prefix_len for s in specs], [len(s.token_ids) for s in specs],
                               self.req_to_token.index_select(0, rows), out_loc,
-                              [s.tree_mask for s in specs], self.num_kv_groups)
+                              [s.tree_mask for s in specs], self.num_kv_groups, pad_slot=self.dummy_slot)
         return input_ids, positions, meta, logit_rows
 
     def _flatten(self, specs: list[ExtendSpec]):

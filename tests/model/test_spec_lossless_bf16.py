@@ -1,0 +1,73 @@
+"""Greedy speculative decoding == plain greedy decoding in bfloat16 as well.
+
+bfloat16 logits tie and round coarsely, so a last-bit difference between a token computed
+by a decode step and the same token computed as a row of a verification forward flips
+greedy choices. Decode-shaped attention is row-invariant for that reason
+(``models/row_invariant_attention.py``); the linears are (oneDNN, per row). These cases
+hold the whole engine to it, with draft trees, chains and concurrent requests.
+"""
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine import Engine
+from tests.model.test_spec_lossless import _always, _assert_no_kv_leak, _dev_prompts
+
+ENGINE_KW = {"dtype": "bfloat16", "max_total_tokens": 8192, "context_length": 2048}
+SPECS = {
+    "NGRAM": {"speculative_algorithm": "NGRAM"},
+    "EAGLE tree": {"speculative_algorithm": "EAGLE", "speculative_num_steps": 5, "speculative_eagle_topk": 4,
+                   "speculative_num_draft_tokens": 8},
+    "EAGLE3 chain": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                     "speculative_num_draft_tokens": 4},
+}
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def engines(default_gguf_path) -> dict[str, Engine]:
+    from specserve.drafts import shipped_draft
+
+    built = {"plain": Engine(model_path=default_gguf_path, **ENGINE_KW)}
+    for name, kw in SPECS.items():
+        if name != "NGRAM" and shipped_draft(kw["speculative_algorithm"]) is None:
+            continue
+        built[name] = _always(lambda kw=kw: Engine(model_path=default_gguf_path, **ENGINE_KW, **kw))
+    return built
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engines) -> list[list[int]]:
+    tok = engines["plain"].tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in _dev_prompts()]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engines, prompt_ids) -> list[list[int]]:
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
+    return [engines["plain"].generate(input_ids=ids, sampling_params=params)["output_ids"] for ids in prompt_ids]
+
+
+def _engine(engines, name):
+    if name not in engines:
+        pytest.skip(f"no {name} engine: its shipped draft is not in specserve/drafts")
+    return engines[name]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_bf16_greedy_lossless_one_at_a_time(engines, prompt_ids, plain_outputs, name):
+    engine = _engine(engines, name)
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
+    outs = [engine.generate(input_ids=ids, sampling_params=params) for ids in prompt_ids]
+    assert [o["output_ids"] for o in outs] == plain_outputs
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) < len(prompt_ids) * NEW_TOKENS
+    _assert_no_kv_leak(engine)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_bf16_greedy_lossless_eight_concurrent(engines, prompt_ids, plain_outputs, name):
+    engine = _engine(engines, name)
+    params = [{"temperature": 0, "max_new_tokens": NEW_TOKENS} for _ in prompt_ids]
+    outs = engine.generate(input_ids=prompt_ids, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == plain_outputs
+    _assert_no_kv_leak(engine)

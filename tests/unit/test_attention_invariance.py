@@ -1,0 +1,80 @@
+"""Row invariance of decode-shaped attention: one query row gives the same bits alone
+(plain decoding: one query over its contiguous keys) and inside a wider forward
+(verification: beside other rows, other requests padded to a longer key length, and
+draft-tree siblings masked out between its ancestors)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.models.attention import KVCache, TorchSDPABackend, build_metadata
+
+NUM_KV, GROUP, HEAD_DIM, PAD_SLOT = 3, 3, 64, 4095
+
+
+def _cache(dtype):
+    torch.manual_seed(0)
+    cache = KVCache(1, PAD_SLOT + 1, NUM_KV, HEAD_DIM, dtype, "cpu")
+    cache.k[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, HEAD_DIM).to(dtype)
+    cache.v[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, HEAD_DIM).to(dtype)
+    return cache
+
+
+def _attend(cache, q, k, v, prefix_lens, extend_lens, slot_rows, new_slots, tree_masks=None):
+    """One decode-shaped forward; q [T, heads, hd] and k/v [T, kv heads, hd] of the new tokens."""
+    width = max(p + e for p, e in zip(prefix_lens, extend_lens))
+    kv_indices = torch.full((len(slot_rows), width + 700), PAD_SLOT, dtype=torch.int64)
+    for b, slots in enumerate(slot_rows):
+        kv_indices[b, :len(slots)] = torch.tensor(slots)
+        kv_indices[b, len(slots):len(slots) + 5] = 7         # stale slots past the length: must be ignored
+    meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor(new_slots), tree_masks,
+                          num_kv_groups=GROUP, pad_slot=PAD_SLOT)
+    return TorchSDPABackend().forward(q, k, v, 0, cache, meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [5, 63, 300, 700])
+def test_tree_rows_equal_plain_decode_rows(dtype, prefix):
+    cache = _cache(dtype)
+    # tree over 6 nodes: root 0; children 1, 2 of 0; 3 of 1; 4 of 2; 5 of 3
+    parents = [-1, 0, 0, 1, 2, 3]
+    n = len(parents)
+    tree = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        tree[i, i] = True
+        while p >= 0:
+            tree[i, p], p = True, parents[p]
+    q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM).to(dtype)
+    k = torch.randn(n, NUM_KV, HEAD_DIM).to(dtype)
+    v = torch.randn(n, NUM_KV, HEAD_DIM).to(dtype)
+    prefix_slots = list(range(1000, 1000 + prefix))
+    tree_slots = list(range(3000, 3000 + n))
+    other_len = prefix + 40                                 # a longer request in the same batch
+    other_slots = list(range(2000 - other_len, 2000))
+    verify = _attend(cache, torch.cat([q, q[:2]]), torch.cat([k, k[:2]]), torch.cat([v, v[:2]]),
+                     [prefix, other_len - 2], [n, 2], [prefix_slots + tree_slots, other_slots],
+                     tree_slots + [other_slots[-2], other_slots[-1]], [tree, None])
+    for node in range(n):
+        path, p = [], node
+        while p >= 0:
+            path.insert(0, p)
+            p = parents[p]
+        slots = prefix_slots + [tree_slots[i] for i in path]
+        alone = _attend(cache, q[node:node + 1], k[node:node + 1], v[node:node + 1],
+                        [len(slots) - 1], [1], [slots], [tree_slots[node]])
+        assert torch.equal(alone, verify[node:node + 1]), f"tree node {node} differs from its plain decode"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_invariant_attention_matches_sdpa_closely(dtype):
+    cache = _cache(dtype)
+    n, prefix = 4, 90
+    q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM).to(dtype)
+    k, v = torch.randn(n, NUM_KV, HEAD_DIM).to(dtype), torch.randn(n, NUM_KV, HEAD_DIM).to(dtype)
+    slots = list(range(100, 100 + prefix + n))
+    ours = _attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:])
+    meta = build_metadata([prefix], [n], torch.tensor([slots]), torch.tensor(slots[prefix:]),
+                          num_kv_groups=GROUP)                       # no pad slot: plain SDPA
+    reference = TorchSDPABackend().forward(q, k, v, 0, cache, meta)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), reference.float(), atol=tol, rtol=tol)
