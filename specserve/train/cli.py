@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: at checkpoints)")
     g.add_argument("--val-records", type=int, default=64, help="records held out for validation")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    g.add_argument("--init-from", default=None,
+                   help="start from this checkpoint's head weights (fresh optimizer, schedule and data order)")
     g.add_argument("--ce-weight", type=float, default=0.1, help="EAGLE: cross-entropy weight")
     g.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default the target's)")
     g = p.add_argument_group("export")
@@ -193,6 +195,7 @@ def run_train(args) -> None:
                       warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       seed=args.seed, device=args.device, bf16=args.bf16, save_every=args.save_every,
                       eval_every=args.eval_every, val_records=args.val_records, resume=args.resume,
+                      init_from=args.init_from,
                       ce_weight=args.ce_weight, intermediate_size=args.intermediate_size)
     trainer = HeadTrainer(cfg, vocab, target=target)
     print(f"train: {len(trainer.data)} records ({trainer.data.num_tokens} tokens), {trainer.steps_per_epoch} "

@@ -67,6 +67,7 @@ class TrainConfig:
     eval_every: int = 0                  # 0: at checkpoints and at the end
     val_records: int = 64
     resume: bool = False
+    init_from: str | None = None         # a checkpoint whose head weights start a fresh run (warm start)
     ce_weight: float = 0.1               # EAGLE: weight of the cross-entropy next to smooth-L1
     regression_weight: float = 1.0
     intermediate_size: int | None = None  # the head's MLP width (default: the target's)
@@ -289,6 +290,8 @@ class HeadTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
             self.resume()
+        if cfg.init_from and self.step == 0:
+            self.warm_start(Path(cfg.init_from))
 
     def _check_capture(self, target_cfg: ModelConfig) -> None:
         info = self.data.info
@@ -332,6 +335,15 @@ class HeadTrainer:
         torch.set_rng_state(state["rng"])
         self.step = state["step"]
         logger.info("resumed from %s (step %d)", paths[-1], self.step)
+
+    def warm_start(self, path: Path) -> None:
+        """Head weights from an earlier run's checkpoint; optimizer, schedule and data start fresh."""
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if state.get("algorithm") != self.cfg.algorithm or state.get("vocab_ids") != self.vocab_ids:
+            raise ValueError(f"--init-from {path}: a {state.get('algorithm')} checkpoint with another draft "
+                             f"vocabulary or algorithm (copy its draft_vocab.pt into {self.out} first)")
+        load_trainable_state(self.head, state["head"])
+        logger.info("warm start from %s (its step %d)", path, state.get("step", -1))
 
     # ---- training ----
     def train_step(self, batch: Batch) -> dict[str, float]:

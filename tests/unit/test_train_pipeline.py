@@ -175,6 +175,18 @@ def test_resume_continues_exactly(tiny, captured, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_warm_start_takes_head_weights_only(tiny, captured, tmp_path):
+    first = trainer(tiny, captured, tmp_path / "a", max_steps=6)
+    first.train()
+    checkpoint = first.save_checkpoint()
+    warm = trainer(tiny, captured, tmp_path / "b", max_steps=3, init_from=str(checkpoint))
+    assert warm.step == 0 and warm.scheduler.last_epoch == 0
+    for (name, a), b in zip(first.head.state_dict().items(), warm.head.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="--init-from"):
+        trainer(tiny, captured, tmp_path / "c", algorithm="EAGLE", init_from=str(checkpoint))
+
+
 # ---- export ------------------------------------------------------------------------------------
 
 def head_logits(head, ids, features):
