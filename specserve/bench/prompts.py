@@ -2,7 +2,8 @@
 ``category``, ``turns``), one category per file (the file stem), chat-templated on use.
 
 The default files live in ``../shared/data/eval`` next to the project root (see that
-folder's README); ``$SPECSERVE_EVAL_DIR`` overrides the folder.
+folder's README); ``$SPECSERVE_EVAL_DIR`` overrides the folder. ``copy_heavy`` names
+a built-in set of rewrite/extract prompts (output that copies the prompt: NGRAM's case).
 """
 from __future__ import annotations
 
@@ -14,6 +15,19 @@ from typing import Any
 
 DEFAULT_EVAL_FILES = ("vicuna_bench.jsonl", "eagle_alpaca.jsonl", "eagle_gsm8k.jsonl",
                       "eagle_humaneval.jsonl")
+COPY_HEAVY_NAME = "copy_heavy"
+_COPY_PARAGRAPH = ("The committee met on Tuesday to review the budget for the new library. After a long "
+                   "discussion, the members agreed to increase funding for children's books and to extend "
+                   "opening hours on weekends.")
+_COPY_CODE = ("def add_numbers(a, b):\n    result = a + b\n    return result\n\n"
+              "def multiply_numbers(a, b):\n    result = a * b\n    return result\n")
+COPY_HEAVY = (
+    "Repeat the following paragraph exactly, word for word:\n\n" + _COPY_PARAGRAPH,
+    "Copy this Python code exactly and add a docstring to each function:\n\n" + _COPY_CODE,
+    "Rewrite this list with each item on its own line, keeping the words unchanged: apples, bananas, "
+    "cherries, dates, elderberries, figs, grapes, honeydew melons.",
+    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,9 @@ def resolve_prompt_files(spec: str | None) -> list[Path]:
         if not item:
             continue
         path = Path(item)
+        if item == COPY_HEAVY_NAME:
+            paths.append(path)
+            continue
         if not path.exists() and not path.is_absolute() and (default_eval_dir() / item).exists():
             path = default_eval_dir() / item
         paths.append(path)
@@ -62,6 +79,8 @@ def resolve_prompt_files(spec: str | None) -> list[Path]:
 def load_prompt_file(path: str | os.PathLike, limit: int | None = None) -> list[Prompt]:
     """The first ``limit`` records of one FastChat-format JSONL file (all when None)."""
     path = Path(path)
+    if str(path) == COPY_HEAVY_NAME:
+        return [Prompt(COPY_HEAVY_NAME, i, text) for i, text in enumerate(COPY_HEAVY[:limit])]
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path} (eval prompts live in ../shared/data/eval; "
                                 f"set SPECSERVE_EVAL_DIR or pass paths)")

@@ -18,18 +18,7 @@ import json
 import statistics
 import time
 
-COPY_PARAGRAPH = ("The committee met on Tuesday to review the budget for the new library. After a long "
-                  "discussion, the members agreed to increase funding for children's books and to extend "
-                  "opening hours on weekends.")
-COPY_CODE = ("def add_numbers(a, b):\n    result = a + b\n    return result\n\n"
-             "def multiply_numbers(a, b):\n    result = a * b\n    return result\n")
-COPY_HEAVY = [
-    "Repeat the following paragraph exactly, word for word:\n\n" + COPY_PARAGRAPH,
-    "Copy this Python code exactly and add a docstring to each function:\n\n" + COPY_CODE,
-    "Rewrite this list with each item on its own line, keeping the words unchanged: apples, bananas, "
-    "cherries, dates, elderberries, figs, grapes, honeydew melons.",
-    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
-]
+from specserve.bench.prompts import COPY_HEAVY
 
 
 def _args() -> argparse.Namespace:

@@ -84,7 +84,8 @@ def normalize_algorithm(text: str | None) -> str | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=None,
-                        help="prompt files (FastChat JSONL), comma-separated; default: the four eval files")
+                        help="prompt files (FastChat JSONL) or copy_heavy (built-in rewrite/extract prompts), "
+                             "comma-separated; default: the four eval files")
     parser.add_argument("--num-prompts-per-file", type=int, default=3)
     parser.add_argument("--algorithm", default="NGRAM",
                         help=f"{'|'.join(ALGORITHMS)} (EAGLE+FR: EAGLE with an FR-Spec token map), "

@@ -236,3 +236,12 @@ def test_mismatches_and_records():
     b = serving.RequestRecord(0, 5, output_ids=[1, 2, 4], text="y")
     assert serving.mismatches([a], [a]) == []
     assert serving.mismatches([b], [a]) == [{"index": 0, "first_diff_token": 2, "len": 3, "ref_len": 3}]
+
+
+def test_copy_heavy_is_a_builtin_prompt_set(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"turns": ["a0"]}])
+    files = prompts.resolve_prompt_files(f"copy_heavy,{a}")
+    loaded = prompts.load_prompts(files, 2)
+    assert [p.category for p in loaded] == ["copy_heavy", "copy_heavy", "a"]
+    assert loaded[0].text.startswith("Repeat the following paragraph")
+    assert len(prompts.load_prompts(files[:1], None)) == len(prompts.COPY_HEAVY)
