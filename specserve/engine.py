@@ -136,21 +136,29 @@ class LLMEngine:
             self.scheduler.commit(item.req, item.new_slots)
         if self.spec_worker is not None:   # drafters ingest the prompt (draft KV, n-gram cache)
             self.spec_worker.on_prefill(self, batch)
-        return self._sample_one_each(sampled, logits)
+        return self.sample_one_each(sampled, logits)
 
     def _run_decode(self, batch: ScheduledBatch) -> dict[str, TokenResult]:
         self.stats.num_decode_steps += 1
         if self.spec_worker is not None:
             return self.spec_worker.decode_step(self, batch)
-        specs = [ExtendSpec(row=self.scheduler.row_of[item.req.rid], prefix_len=item.req.num_computed,
-                            token_ids=[item.req.all_ids[-1]], new_slots=item.new_slots)
-                 for item in batch.items]
-        logits = self.runner.forward(specs)
+        return self.plain_decode(batch)
+
+    def plain_decode(self, batch: ScheduledBatch) -> dict[str, TokenResult]:
+        """One plain decode step: one new token for every request of ``batch``."""
+        logits = self.decode_forward(batch.items)
         for item in batch.items:
             self.scheduler.commit(item.req, item.new_slots)
-        return self._sample_one_each(batch.requests, logits)
+        return self.sample_one_each(batch.requests, logits)
 
-    def _sample_one_each(self, reqs: list[Request], logits: torch.Tensor) -> dict[str, TokenResult]:
+    def decode_forward(self, items: list) -> torch.Tensor:
+        """Logits [len(items), V] of each item's last token, its K/V written to its first new slot."""
+        specs = [ExtendSpec(row=self.scheduler.row_of[item.req.rid], prefix_len=item.req.num_computed,
+                            token_ids=[item.req.all_ids[-1]], new_slots=item.new_slots[:1])
+                 for item in items]
+        return self.runner.forward(specs)
+
+    def sample_one_each(self, reqs: list[Request], logits: torch.Tensor) -> dict[str, TokenResult]:
         if not reqs:
             return {}
         logits = _ban_stop_tokens_before_min_new_tokens(reqs, logits)

@@ -155,8 +155,8 @@ class TorchSDPABackend:
         # [B, Q, nkv, group, hd] -> [B, nkv, group * Q, hd]
         q = q.view(bsz, max_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(bsz, num_kv, group * max_q, head_dim)
-        keys = k_layer[meta.kv_indices].transpose(1, 2)                     # [B, nkv, L, hd]
-        values = v_layer[meta.kv_indices].transpose(1, 2)
+        keys = _gather(k_layer, meta.kv_indices).transpose(1, 2)            # [B, nkv, L, hd]
+        values = _gather(v_layer, meta.kv_indices).transpose(1, 2)
         if meta.row_invariant:
             out = row_invariant_attention(q, keys, values, meta.mask)
         else:
@@ -166,6 +166,12 @@ class TorchSDPABackend:
         if meta.output_index is not None:
             out = out.index_select(0, meta.output_index)
         return out
+
+
+def _gather(layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """layer[slots] ([B, L, nkv, hd]); index_select is ~3x faster than advanced indexing on
+    CPU and hardly slows down when a request's slots are scattered over the pool."""
+    return layer.index_select(0, slots.reshape(-1)).view(*slots.shape, *layer.shape[1:])
 
 
 def get_backend(name: str | None) -> TorchSDPABackend:

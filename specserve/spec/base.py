@@ -70,9 +70,13 @@ class Proposer:
 
     ``is_cheap``: proposing costs next to nothing (host-side lookups), so the worker
     proposes for every request first and lets the policy see the real tree sizes.
+    ``catches_up_lazily``: the proposer reads what it missed from the request itself the
+    next time it proposes, so a step where nobody speculates can be the engine's plain
+    decode step, without the verify bookkeeping (what keeps a busy server at plain speed).
     """
 
     is_cheap = False
+    catches_up_lazily = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         self.ctx, self.params = ctx, ctx.params
@@ -168,6 +172,10 @@ class SpecWorker:
         items = batch.items
         start = time.perf_counter()
         trees = self._plan(engine, items)
+        if self.proposer.catches_up_lazily and all(tree.is_root_only for tree in trees):
+            out = self._plain_step(engine, items, trees)
+            self.policy.observe_step([1] * len(items), time.perf_counter() - start)
+            return out
         logits = tv.verify_forward(engine, items, trees)
         logits = tv.ban_stop_tokens_before_min_new_tokens(items, trees, logits)
         results = tv.accept_trees(engine, items, trees, logits, self.params)
@@ -179,6 +187,13 @@ class SpecWorker:
         out = tv.token_results(engine, items, trees, results, emitted, logits)
         self.policy.observe_step([t.num_nodes for t in trees], time.perf_counter() - start)  # synced above
         return out
+
+    def _plain_step(self, engine, items: list, trees: list[DraftTree]) -> dict[str, TokenResult]:
+        """Nobody speculates: the engine's decode forward and sampling; the unused slots
+        reserved for the trees go back to the pool."""
+        logits = engine.decode_forward(items)
+        tv.compact_kv(engine, items, trees, [AcceptResult([0], -1) for _ in items])
+        return engine.sample_one_each([item.req for item in items], logits)
 
     def _plan(self, engine, items: list) -> list[DraftTree]:
         """One tree per item: the proposer's for the requests the policy picks, root-only otherwise."""

@@ -23,6 +23,8 @@ COST_EMA_WEIGHT = 0.1
 
 class NgramProposer(Proposer):
     is_cheap = True
+    catches_up_lazily = True          # _feed reads the tokens it has not seen from the request
+
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         self.cache = NgramCache.from_server_args(ctx.server_args)
