@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 30000
-SPEC_ARGS ?= --speculative-algorithm EAGLE --speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3 --speculative-token-map specserve/drafts/smollm2-135m-frspec-8k.pt
+SPEC_ARGS ?= --dtype bfloat16 --speculative-algorithm NGRAM
 SERVE_ARGS ?=
 
 .PHONY: install serve test test-all bench model clean

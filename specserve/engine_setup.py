@@ -53,7 +53,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     tokenizer = Tokenizer.load(args.tokenizer_path or model_path)
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
-    args = _with_shipped_draft(args, model_path)
+    args = _with_shipped_draft(args, model_path, device, dtype)
     spec = resolve_spec_params(args, cfg)
     spec_width = spec.num_draft_tokens if spec else 1   # KV slots per decode step per request
     try:
@@ -103,17 +103,27 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
                        spec_worker)
 
 
-def _with_shipped_draft(args: ServerArgs, model_path: str) -> ServerArgs:
-    """The default model with EAGLE3 / EAGLE / STANDALONE and no draft path: the shipped draft."""
+def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: torch.dtype) -> ServerArgs:
+    """The default model with EAGLE3 / EAGLE / STANDALONE and no draft path: the shipped draft,
+    and, with S/K/N left unset, the shape measured fastest for it (SGLang picks one per model)."""
     if args.speculative_draft_model_path or not is_default_model(model_path):
         return args
-    from specserve.drafts import shipped_draft
+    from specserve.drafts import measured_shape, shipped_draft
 
     path = shipped_draft(args.speculative_algorithm)
     if path is None:
         return args
     logger.info("--speculative-algorithm %s: using the shipped draft %s", args.speculative_algorithm, path)
-    return dataclasses.replace(args, speculative_draft_model_path=str(path))
+    args = dataclasses.replace(args, speculative_draft_model_path=str(path))
+    shape = measured_shape(args.speculative_algorithm, device, dtype)
+    if shape is None or any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
+                                                    args.speculative_num_draft_tokens)):
+        return args
+    logger.info("speculative shape (steps, topk, draft tokens) = %s: measured fastest for the shipped draft",
+                shape)
+    steps, topk, num_draft_tokens = shape
+    return dataclasses.replace(args, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                               speculative_num_draft_tokens=num_draft_tokens)
 
 
 def _fall_back_to_plain(args: ServerArgs, exc: Exception) -> None:

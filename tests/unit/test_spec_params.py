@@ -120,3 +120,16 @@ def test_thresholds():
 
 def test_lowercase_algorithm_is_accepted():
     assert _resolve(speculative_algorithm="ngram").algorithm == "NGRAM"
+
+
+def test_measured_shapes_of_the_shipped_drafts_are_valid():
+    import torch
+
+    from specserve.drafts import MEASURED_SHAPES, measured_shape
+    from specserve.spec.params import _check_shape
+
+    for (algorithm, dtype), shape in MEASURED_SHAPES.items():
+        assert measured_shape(algorithm.lower(), "cpu", dtype) == shape
+        assert measured_shape(algorithm, "cuda:0", dtype) is None
+        assert shape is None or _check_shape(*shape) == shape
+    assert measured_shape("NGRAM", "cpu", torch.float32) is None
