@@ -183,3 +183,19 @@ def test_logprobs_match_plain(engines, prompt_ids):
     assert len(lp_spec) == len(lp_plain) == 12
     assert max(abs(a - b) for a, b in zip(lp_plain, lp_spec)) < 1e-3
     assert [[t for t, _ in row] for row in top_spec] == [[t for t, _ in row] for row in top_plain]
+
+
+def test_steps_where_nobody_speculates_are_plain_decode_steps(engines, prompt_ids, monkeypatch):
+    """NGRAM catches up lazily, so a step where the policy picks nobody runs the engine's plain
+    decode forward; the KV slots reserved for the trees must go back to the pool."""
+    engine = engines["NGRAM"]
+    worker = engine.engine.spec_worker
+    monkeypatch.setattr(worker.policy, "select", lambda states, nodes, depths: [1] * len(states))
+    calls = []
+    plain_step = worker._plain_step
+    monkeypatch.setattr(worker, "_plain_step", lambda *a: calls.append(1) or plain_step(*a))
+    params = [{"temperature": 0, "max_new_tokens": 8 + 2 * i} for i in range(len(prompt_ids))]
+    ours = _generate(engine, prompt_ids, params)
+    assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in _plain(engines, prompt_ids, params)]
+    assert calls and all(o["meta_info"]["spec_verify_ct"] == 0 for o in ours)
+    _assert_no_kv_leak(engine)
