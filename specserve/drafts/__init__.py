@@ -25,7 +25,7 @@ def shipped_draft(algorithm: str | None) -> Path | None:
 
 
 # (S, K, N) measured fastest for each shipped draft with the default target on a CPU
-# (README, "Speculative decoding figures": one bench_speculative run per dtype); used
+# (README, "Measured figures": one bench_speculative run per dtype, 2026-11-22); used
 # when --speculative-num-steps/-eagle-topk/-num-draft-tokens are all left unset.
 MEASURED_SHAPES = {
     ("EAGLE3", torch.bfloat16): (4, 4, 6),      # 1.18x, accept length 1.77 (2026-11-22)
