@@ -36,6 +36,7 @@ from specserve.spec.mirrored_draft import MirroredDraftProposer
 from specserve.spec.state import spec_state, tail_ids
 from specserve.spec.tree import DraftTree, truncate_tree
 
+
 class EagleProposer(MirroredDraftProposer):
     cost_budget_s = 0.3
 

@@ -325,11 +325,7 @@ class HeadTrainer:
         if not paths:
             logger.warning("--resume: no checkpoint in %s; starting from scratch", self.out / CHECKPOINT_DIR)
             return
-        state = torch.load(paths[-1], map_location=self.device, weights_only=False)
-        if state["algorithm"] != self.cfg.algorithm or state["vocab_ids"] != self.vocab_ids:
-            raise ValueError(f"--resume: {paths[-1]} is a {state['algorithm']} checkpoint with another draft "
-                             f"vocabulary or algorithm; use another --out / --work-dir")
-        load_trainable_state(self.head, state["head"])
+        state = self._load_head_weights(paths[-1], "--resume", "use another --out / --work-dir")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
@@ -338,12 +334,18 @@ class HeadTrainer:
 
     def warm_start(self, path: Path) -> None:
         """Head weights from an earlier run's checkpoint; optimizer, schedule and data start fresh."""
+        state = self._load_head_weights(path, "--init-from", f"copy its draft_vocab.pt into {self.out} first")
+        logger.info("warm start from %s (its step %d)", path, state.get("step", -1))
+
+    def _load_head_weights(self, path: Path, flag: str, hint: str) -> dict:
+        """Load ``path`` into the head after checking it is this run's algorithm and draft
+        vocabulary; returns the whole checkpoint."""
         state = torch.load(path, map_location=self.device, weights_only=False)
         if state.get("algorithm") != self.cfg.algorithm or state.get("vocab_ids") != self.vocab_ids:
-            raise ValueError(f"--init-from {path}: a {state.get('algorithm')} checkpoint with another draft "
-                             f"vocabulary or algorithm (copy its draft_vocab.pt into {self.out} first)")
+            raise ValueError(f"{flag} {path}: a {state.get('algorithm')} checkpoint with another draft "
+                             f"vocabulary or algorithm; {hint}")
         load_trainable_state(self.head, state["head"])
-        logger.info("warm start from %s (its step %d)", path, state.get("step", -1))
+        return state
 
     # ---- training ----
     def train_step(self, batch: Batch) -> dict[str, float]:
