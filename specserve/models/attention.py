@@ -39,6 +39,7 @@ class AttentionMetadata:
     batch_size: int
     max_query_len: int
     row_invariant: bool = False          # keys padded to KEY_BLOCK: use row_invariant_attention
+    parts: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None   # (rows of [T], metadata) groups
 
 
 class KVCache:
@@ -73,6 +74,9 @@ def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: t
     total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     max_len = max(total_lens)
     row_invariant = pad_slot is not None and max_q <= ROW_INVARIANT_MAX_QUERY
+    if row_invariant and max_q > 1 and min(extend_lens) == 1:
+        return _split_metadata(prefix_lens, extend_lens, kv_indices, out_cache_loc, tree_masks,
+                               num_kv_groups, pad_slot)
     if row_invariant:
         kv_indices = _padded_key_slots(kv_indices, total_lens, pad_slot)
         max_len = kv_indices.shape[1]
@@ -92,6 +96,28 @@ def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: t
             mask = mask.repeat(1, 1, num_kv_groups, 1)                        # [B, 1, g*Q, L]
     return AttentionMetadata(out_cache_loc, kv_indices, mask, query_index, output_index,
                              batch_size, max_q, row_invariant)
+
+
+def _split_metadata(prefix_lens, extend_lens, kv_indices, out_cache_loc, tree_masks, num_kv_groups,
+                    pad_slot) -> AttentionMetadata:
+    """Decode rows (one new token) and wider requests (verification trees) attend in two
+    groups, so one tree does not pad every decode row of the batch to its width. Results
+    are the same bits (row-invariant attention); only the padding work goes."""
+    device = kv_indices.device
+    starts = [0]
+    for e in extend_lens[:-1]:
+        starts.append(starts[-1] + e)
+    parts = []
+    for group in ([b for b, e in enumerate(extend_lens) if e == 1], [b for b, e in enumerate(extend_lens) if e > 1]):
+        rows = torch.tensor([t for b in group for t in range(starts[b], starts[b] + extend_lens[b])], device=device)
+        index = torch.tensor(group, device=device)
+        masks = None if tree_masks is None else [tree_masks[b] for b in group]
+        part = build_metadata([prefix_lens[b] for b in group], [extend_lens[b] for b in group],
+                              kv_indices.index_select(0, index), out_cache_loc.index_select(0, rows), masks,
+                              num_kv_groups, pad_slot)
+        parts.append((rows, part))
+    return AttentionMetadata(out_cache_loc, kv_indices, None, None, None, len(extend_lens), max(extend_lens),
+                             True, parts)
 
 
 def _padded_key_slots(kv_indices: torch.Tensor, total_lens: list[int], pad_slot: int) -> torch.Tensor:
@@ -146,8 +172,19 @@ class TorchSDPABackend:
         k_layer, v_layer = cache.k[layer_id], cache.v[layer_id]
         k_layer.index_copy_(0, meta.out_cache_loc, k)
         v_layer.index_copy_(0, meta.out_cache_loc, v)
+        if meta.parts is None:
+            return self._attend(q, k_layer, v_layer, meta)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for rows, part in meta.parts:
+            out.index_copy_(0, rows, self._attend(q.index_select(0, rows), k_layer, v_layer, part))
+        return out
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, nh, hd] of ``meta``'s requests, whose K/V are in the cache. Returns [T, nh * hd]."""
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv = k.shape[1]
+        num_kv = k_layer.shape[1]
         group = num_heads // num_kv
         bsz, max_q = meta.batch_size, meta.max_query_len
         if meta.query_index is not None:

@@ -7,6 +7,14 @@ to 3 rows plain ``F.linear`` (MKL) costs about what one row costs, while the
 packed kernel costs 1.6x more from 2 rows on, so those keep ``F.linear``: a
 speculative verify over 2-3 tokens then costs about one decode step. Packing copies the
 weight: call ``pack_linears_for_cpu`` after the weights are final.
+
+Row invariance: a bfloat16 row's result must not depend on how many rows share the
+call (greedy speculative output == plain decoding). oneDNN's one-row kernel can round
+differently from its many-row kernel (seen on AMD EPYC for the 1536-wide down
+projection; the many-row kernel agrees with itself from 2 rows on). Packing probes
+each bfloat16 layer once and, where one row disagrees, runs single rows as two
+(the same cost there). float32 keeps its fast paths: its rounding differences are
+far below what flips a greedy choice in practice.
 """
 from __future__ import annotations
 
@@ -26,11 +34,14 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     plain_max_rows: int = 0            # inputs of up to this many rows use F.linear
+    pads_single_row: bool = False      # one row runs as two (the many-row kernel's rounding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed_weight
         if packed is None or x.shape[0] <= self.plain_max_rows:
             return F.linear(x, self.weight, self.bias)
+        if self.pads_single_row and x.shape[0] == 1:
+            return torch.ops.mkldnn._linear_pointwise(x.repeat(2, 1), packed, self.bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
@@ -51,6 +62,19 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
             continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         module.plain_max_rows = FLOAT32_PLAIN_MAX_ROWS if weight.dtype == torch.float32 else 0
+        module.pads_single_row = weight.dtype == torch.bfloat16 and not _is_one_row_invariant(module)
         count += 1
     logger.debug("prepacked %d linear layers for oneDNN", count)
     return count
+
+
+@torch.inference_mode()
+def _is_one_row_invariant(module: Linear, num_rows: int = 16, num_trials: int = 6) -> bool:
+    """Whether a row computed alone gets the same bits as inside a call of ``num_rows``."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(num_trials):
+        x = torch.randn(num_rows, module.in_features, generator=generator).to(module.weight.dtype)
+        together = module(x)
+        if any(not torch.equal(module(x[i:i + 1]), together[i:i + 1]) for i in range(num_rows)):
+            return False
+    return True

@@ -199,11 +199,11 @@ class SpecWorker:
         """One tree per item: the proposer's for the requests the policy picks, root-only otherwise."""
         caps = [max_tree_nodes(engine, item, self.params.num_draft_tokens) for item in items]
         states = [spec_state(item.req).policy for item in items]
+        depth_caps = [self.proposer.max_depth(cap) for cap in caps]
         if self.proposer.is_cheap:                   # the policy sees the real tree sizes
-            trees = self.proposer.propose(engine, items, caps)
+            trees = self._propose_cheap(engine, items, caps, depth_caps, states)
             sizes = self.policy.select(states, [t.num_nodes for t in trees], [tree_depth(t) for t in trees])
             return [truncate_tree(t, n) if n > 1 else root_only(t.root_token) for t, n in zip(trees, sizes)]
-        depth_caps = [self.proposer.max_depth(cap) for cap in caps]
         sizes = self.policy.select(states, caps, depth_caps)     # draft only where it may pay
         picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
         skipped = [item for item, n in zip(items, sizes) if n == 1]
@@ -212,6 +212,21 @@ class SpecWorker:
         if skipped:
             self.proposer.on_skipped(engine, skipped)
         return [next(drafted) if n > 1 else root_only(tail_ids(item.req, 1)[0]) for item, n in zip(items, sizes)]
+
+    def _propose_cheap(self, engine, items: list, caps: list[int], depth_caps: list[int],
+                       states: list) -> list[DraftTree]:
+        """Every request's tree, unless no tree within the caps could be picked (a busy server):
+        then only the trees ``SpecPolicy._probe`` may look at, in its order, up to the first
+        with more than the root; the others stay root-only (the proposer catches up later).
+        The policy's choice is the same either way."""
+        if not self.proposer.catches_up_lazily or self.policy.may_pick_any(states, caps, depth_caps):
+            return self.proposer.propose(engine, items, caps)
+        trees = [root_only(tail_ids(item.req, 1)[0]) for item in items]
+        for i in self.policy.probe_order(states, caps):
+            trees[i] = self.proposer.propose(engine, [items[i]], [caps[i]])[0]
+            if not trees[i].is_root_only:
+                break
+        return trees
 
     def _record(self, engine, items: list, trees: list[DraftTree], results: list[AcceptResult]) -> None:
         """Stats of the verifies that carried drafts (root-only trees are plain decode steps)."""

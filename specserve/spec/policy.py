@@ -241,6 +241,37 @@ class SpecPolicy:
         """Wall time of a decode step whose trees had ``sizes`` nodes."""
         self.cost.observe(len(sizes), sum(sizes), max(sizes), sum(n > 1 for n in sizes), seconds)
 
+    def may_pick_any(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int]) -> bool:
+        """Whether ``select`` could let a request with a history speculate, whatever trees of at
+        most ``nodes[i]`` nodes and ``depths[i]`` depth the proposer returns. An upper bound: a
+        tree of depth D is worth at most the chain's expected tokens (what ``select`` credits)
+        and widens the forward by at least D rows; padding and drafting cost nothing here. So
+        the best step is the top-W per-depth gains ``calibration * rate^d`` over a forward of
+        ``bs + W`` rows. False: only a probe (``probe_order``) can speculate this step."""
+        if self.is_always:
+            return True
+        bs = len(states)
+        gains = sorted((self.calibration * self.rate(s) ** d
+                        for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history
+                        for d in range(1, depth + 1)), reverse=True)
+        threshold = (1.0 + MARGIN) * self._plain_rate(bs)
+        tokens, remaining = float(bs), sum(gains)
+        for width, gain in enumerate(gains, start=bs + 1):
+            seconds = self.cost.scale * self.cost.curve(width)
+            if (tokens + remaining) / seconds <= threshold:     # no wider step can pass either
+                return False
+            tokens, remaining = tokens + gain, remaining - gain
+            if tokens / seconds > threshold:
+                return True
+        return False
+
+    @staticmethod
+    def probe_order(states: list[RequestPolicyState], nodes: list[int]) -> list[int]:
+        """Requests a step where nobody else speculates may probe, in ``_probe``'s order of
+        preference (it takes the first whose real tree has more than the root)."""
+        due = [i for i, s in enumerate(states) if nodes[i] > 1 and s.num_skipped >= s.backoff]
+        return sorted(due, key=lambda i: -states[i].num_skipped)
+
     def _plain_rate(self, bs: int) -> float:
         return bs / self.cost(bs, bs, 1, 0)
 
@@ -266,10 +297,10 @@ class SpecPolicy:
         step_cost = self.cost(bs, width, max_q, num_drafting)
         low, high = PROBE_BUDGET
         self.probe_credit += (low + (high - low) * self.probe_success) * step_cost
-        due = [i for i, s in enumerate(states) if sizes[i] == 1 and nodes[i] > 1 and s.num_skipped >= s.backoff]
+        due = [i for i in self.probe_order(states, nodes) if sizes[i] == 1]
         if not due:
             return
-        i = max(due, key=lambda j: states[j].num_skipped)
+        i = due[0]
         full, size = nodes[i], min(nodes[i], PROBE_NODES)
         best_case = (bs + depths[i]) / self.cost(bs, width + full - 1, max(max_q, full), num_drafting + 1)
         extra = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1) - step_cost

@@ -166,3 +166,51 @@ def test_measure_cost_curve_is_monotone_and_respects_budget():
     calls.clear()
     curve = measure_cost_curve(forward, [1, 16], [4, 64], budget_s=0.0)
     assert curve.widths == [1, 16]
+
+
+def test_may_pick_any_bounds_select():
+    """Where the bound says no, ``select`` picks nobody on any trees within the caps (at most the
+    first due request of ``probe_order`` with a real tree probes); where ``select`` picks someone,
+    the bound said yes."""
+    import copy
+    import random
+
+    rng = random.Random(0)
+    num_no = 0
+    for trial in range(300):
+        bs = rng.choice([1, 2, 4, 8, 16, 32])
+        curve = rng.choice([FLAT_THEN_LINEAR, LINEAR])
+        policy = SpecPolicy(curve, lambda k: 0.0, num_draft_tokens=12)
+        states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) for _ in range(bs)]
+        for s in states:
+            s.num_skipped = rng.randrange(8)
+        caps = [rng.choice([1, 4, 12]) for _ in range(bs)]
+        nodes = [rng.randint(1, c) for c in caps]
+        depths = [(n - 1 if rng.random() < 0.7 else rng.randint(1, n - 1)) if n > 1 else 0 for n in nodes]  # chains often
+        is_possible = policy.may_pick_any(states, caps, [c - 1 for c in caps])
+        sizes = copy.deepcopy(policy).select(copy.deepcopy(states), nodes, depths)
+        picked = [i for i, n in enumerate(sizes) if n > 1]
+        if not is_possible:
+            num_no += 1
+            probes = [i for i in policy.probe_order(states, caps) if nodes[i] > 1]
+            assert picked in ([], probes[:1]), trial
+    assert 50 < num_no < 300        # both answers occur
+
+
+def test_may_pick_any_small_batch_yes_busy_server_no():
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    assert policy.may_pick_any(_states(1, 0.8), [12], [11])
+    assert not policy.may_pick_any(_states(256, 0.3), [12] * 256, [11] * 256)
+    assert not policy.may_pick_any([RequestPolicyState()] * 4, [12] * 4, [11] * 4)   # no history yet
+    step = SpecPolicy(CostCurve([1, 2, 16], [10.0, 20.0, 20.5]), lambda k: 0.0, num_draft_tokens=12)
+    assert step.select(_states(1, 0.8), [12], [11]) == [12]   # only a deep tree pays: the bound sees depth
+    assert step.may_pick_any(_states(1, 0.8), [12], [11])
+    assert SpecPolicy(LINEAR, lambda k: 0.0, 12, is_always=True).may_pick_any(_states(64, 0.1), [12] * 64, [11] * 64)
+
+
+def test_probe_order_longest_skipped_first():
+    states = [_state(0.5, backoff=b) for b in (2, 2, 0, 5)]
+    for s, skipped in zip(states, (3, 7, 7, 4)):
+        s.num_skipped = skipped
+    assert SpecPolicy.probe_order(states, [4, 4, 4, 4]) == [1, 2, 0]    # index 3 is not due yet
+    assert SpecPolicy.probe_order(states, [4, 1, 4, 4]) == [2, 0]       # no room for a tree
