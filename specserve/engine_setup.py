@@ -15,6 +15,7 @@ from specserve.config import ConfigError, ModelConfig, ServerArgs
 from specserve.loading.default_model import is_default_model
 from specserve.loading.loader import read_checkpoint, resolve_model_path
 from specserve.models.attention import KVCache, get_backend
+from specserve.models.packed_linear import warm_up_packed_linears
 from specserve.runner.memory import plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype
 from specserve.scheduler import Scheduler
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 CPU_CHUNKED_PREFILL = 512
 CUDA_CHUNKED_PREFILL = 8192
 DEFAULT_MAX_RUNNING = {"cpu": 64, "cuda": 256}
+WARM_UP_MAX_ROWS = 96     # forward widths whose oneDNN kernels are built at startup
 
 
 @dataclass
@@ -82,6 +84,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
                          num_kv_slots=num_pages * args.page_size, page_size=args.page_size,
                          max_rows=max_running, max_row_len=context_len + spec_width + args.page_size)
     runner.model.backend = backend
+    warm_up_packed_linears(runner.model, min(max_running * spec_width, WARM_UP_MAX_ROWS))
     pool = BlockPool(num_pages, args.page_size)
     radix = RadixCache(pool, disabled=args.disable_radix_cache)
     logger.info("model %s loaded: %s on %s, KV cache %d tokens (%.2f GiB), context %d",

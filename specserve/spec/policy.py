@@ -33,8 +33,10 @@ decoding requests:
   request's full tree, all accepted, would be picked at this batch size (else the
   probe could never change a decision), and probes spend at most
   a budget share of the estimated step time (a credit that accrues each step):
-  2% when probes never succeed, up to 10% when they are all fully accepted (EMA
-  of probe outcomes), so useless probes cannot make a server measurably slower.
+  0.5% when probes never succeed, up to 10% when they are all fully accepted (EMA
+  of probe outcomes) and the policy lets every request speculate (EMA of the share
+  it picks): on a busy server where nobody is worth speculating, probes stay near
+  0.5% of the time, so they cannot make it measurably slower.
 
 So a busy server (large bs, where ``c`` grows with width) falls back to plain
 decoding, and requests whose drafts do not get accepted stop speculating, while
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 MARGIN = 0.05
 PROBE_MAX_BACKOFF = 64
 PROBE_NODES = 4
-PROBE_BUDGET = (0.02, 0.10)  # share of step time probes may spend: min, and max when they all succeed
+PROBE_BUDGET = (0.005, 0.10)  # share of step time probes may spend: min, and max when they all succeed
 PROBE_SUCCESS_PRIOR = 0.1
 PROBE_CREDIT_PROBES = 2.0    # credit saved up to this many probes' extra cost
 REQUEST_DECAY = 0.7          # per verify, on a request's counts
@@ -66,6 +68,7 @@ PRIOR_WEIGHT = 2.0           # pseudo-verifies of the global rate in a request's
 CALIBRATION_PRIOR = 2.0      # pseudo extra tokens, realized = predicted
 COST_EMA_WEIGHT = 0.1
 PROBE_EMA_WEIGHT = 0.1
+PICKED_EMA_WEIGHT = 0.05     # per step, on the share of requests the policy lets speculate
 PAD_PRIOR = 0.1            # padded query row cost, as a share of a token's (curve slope)
 
 
@@ -195,6 +198,7 @@ class SpecPolicy:
         self.last_state: str | None = None
         self.probe_credit = float("inf")             # seconds; capped at PROBE_CREDIT_PROBES probes
         self.probe_success = PROBE_SUCCESS_PRIOR     # EMA: share of probes fully accepted
+        self.picked_share = 1.0                      # EMA: share of requests picked (not probes)
 
     def select(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int]) -> list[int]:
         """Tree size per request this step (1: plain decoding); ``nodes[i]`` / ``depths[i]`` = its
@@ -208,6 +212,7 @@ class SpecPolicy:
         alphas = [1.0 + calibration * (expected_tokens(self.rate(s), d) - 1.0) for s, d in zip(states, depths)]
         order = sorted((i for i in range(bs) if nodes[i] > 1 and states[i].has_history), key=lambda i: -alphas[i])
         k = self._best_prefix(bs, order, alphas, nodes)
+        self.picked_share += PICKED_EMA_WEIGHT * (k / bs - self.picked_share)
         sizes = [1] * bs
         for i in order[:k]:
             sizes[i] = nodes[i]
@@ -296,7 +301,7 @@ class SpecPolicy:
         num_drafting = sum(n > 1 for n in sizes)
         step_cost = self.cost(bs, width, max_q, num_drafting)
         low, high = PROBE_BUDGET
-        self.probe_credit += (low + (high - low) * self.probe_success) * step_cost
+        self.probe_credit += (low + (high - low) * self.probe_success * self.picked_share) * step_cost
         due = [i for i in self.probe_order(states, nodes) if sizes[i] == 1]
         if not due:
             return

@@ -78,3 +78,31 @@ def test_row_invariant_attention_matches_sdpa_closely(dtype):
     reference = TorchSDPABackend().forward(q, k, v, 0, cache, meta)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), reference.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_beside_a_tree_attend_unpadded_and_unchanged(dtype):
+    """A batch of decode rows and one verify tree: the decode rows attend in their own group
+    (not padded to the tree's width) and every row equals its computation alone."""
+    cache = _cache(dtype)
+    n, prefix = 5, 77
+    q = torch.randn(2 + n, NUM_KV * GROUP, HEAD_DIM).to(dtype)
+    k, v = torch.randn(2 + n, NUM_KV, HEAD_DIM).to(dtype), torch.randn(2 + n, NUM_KV, HEAD_DIM).to(dtype)
+    decode_slots = [list(range(1000, 1040)), list(range(1100, 1200))]
+    tree_slots = list(range(2000, 2000 + prefix + n))
+    prefix_lens, extend_lens = [39, 99, prefix], [1, 1, n]
+    rows = [decode_slots[0], decode_slots[1], tree_slots]
+    new_slots = [decode_slots[0][-1], decode_slots[1][-1]] + tree_slots[prefix:]
+    kv_indices = torch.full((3, 200), PAD_SLOT, dtype=torch.int64)
+    for b, slots in enumerate(rows):
+        kv_indices[b, :len(slots)] = torch.tensor(slots)
+    meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor(new_slots),
+                          num_kv_groups=GROUP, pad_slot=PAD_SLOT)
+    assert [part.batch_size for _, part in meta.parts] == [2, 1]
+    assert meta.parts[0][1].max_query_len == 1
+    together = TorchSDPABackend().forward(q, k, v, 0, cache, meta)
+    for b in range(2):
+        alone = _attend(cache, q[b:b + 1], k[b:b + 1], v[b:b + 1], [prefix_lens[b]], [1], [rows[b]], [new_slots[b]])
+        assert torch.equal(alone, together[b:b + 1])
+    tree = _attend(cache, q[2:], k[2:], v[2:], [prefix], [n], [tree_slots], tree_slots[prefix:])
+    assert torch.equal(tree, together[2:])

@@ -31,3 +31,19 @@ def test_float16_and_plain_modules_are_left_alone():
     plain = torch.nn.Linear(8, 8)
     assert pack_linears_for_cpu(torch.nn.Sequential(layer, plain)) == 0
     assert layer.packed_weight is None
+
+
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_bfloat16_rows_do_not_depend_on_the_other_rows(in_features):
+    """A row alone and inside a call of many rows get the same bits (the down projection's
+    1536 inputs are where oneDNN's one-row kernel rounded differently on AMD EPYC)."""
+    torch.manual_seed(in_features)
+    layer = Linear(in_features, 576, bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    pack_linears_for_cpu(layer)
+    x = torch.randn(40, in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        together = layer(x)
+        for num_rows in (2, 5, 17):
+            assert torch.equal(layer(x[:num_rows]), together[:num_rows])
+        assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
