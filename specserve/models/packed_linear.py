@@ -41,7 +41,7 @@ class Linear(nn.Linear):
         if packed is None or x.shape[0] <= self.plain_max_rows:
             return F.linear(x, self.weight, self.bias)
         if self.pads_single_row and x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(x.repeat(2, 1), packed, self.bias, "none", [], "")[:1]
+            return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x]), packed, self.bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
