@@ -36,7 +36,7 @@ decoding requests:
   0.5% when probes never succeed, up to 10% when they are all fully accepted (EMA
   of probe outcomes) and the policy lets every request speculate (EMA of the share
   it picks): on a busy server where nobody is worth speculating, probes stay near
-  0.5% of the time, so they cannot make it measurably slower.
+  0.5% of the estimated step time.
 
 So a busy server (large bs, where ``c`` grows with width) falls back to plain
 decoding, and requests whose drafts do not get accepted stop speculating, while
