@@ -30,8 +30,9 @@ decoding requests:
 * a request left out for ``backoff_r`` steps may be probed (one per step) with a
   small tree (at most PROBE_NODES nodes) so its ``p_r`` cannot go stale; its
   backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if the
-  request's full tree, all accepted, would be picked at this batch size (else the
-  probe could never change a decision), and probes spend at most
+  request's full tree would be picked at this batch size once the probe is fully
+  accepted (its rate judged from that probe alone, shrunk towards the global rate:
+  else the probe could never change a decision), and probes spend at most
   a budget share of the estimated step time (a credit that accrues each step):
   0.5% when probes never succeed, up to 10% when they are all fully accepted (EMA
   of probe outcomes) and the policy lets every request speculate (EMA of the share
@@ -294,9 +295,9 @@ class SpecPolicy:
 
     def _probe(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int],
                sizes: list[int]) -> None:
-        """Let the longest-skipped due request try a small tree, if its full tree, all accepted,
-        would be picked at this batch size (else what a probe learns is useless) and the probe
-        credit covers the probe's extra cost."""
+        """Let the longest-skipped due request try a small tree, if its full tree would be
+        picked at this batch size after the best outcome of the probe (else what a probe learns
+        is useless) and the probe credit covers the probe's extra cost."""
         bs, width, max_q = len(states), sum(sizes), max(sizes)
         num_drafting = sum(n > 1 for n in sizes)
         step_cost = self.cost(bs, width, max_q, num_drafting)
@@ -307,7 +308,9 @@ class SpecPolicy:
             return
         i = due[0]
         full, size = nodes[i], min(nodes[i], PROBE_NODES)
-        best_case = (bs + depths[i]) / self.cost(bs, width + full - 1, max(max_q, full), num_drafting + 1)
+        hopeful = RequestPolicyState(accepted=float(size - 1))      # all one probe can show
+        alpha = 1.0 + self.calibration * (expected_tokens(self.rate(hopeful), depths[i]) - 1.0)
+        best_case = (bs + alpha - 1.0) / self.cost(bs, width + full - 1, max(max_q, full), num_drafting + 1)
         extra = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1) - step_cost
         self.probe_credit = min(self.probe_credit, PROBE_CREDIT_PROBES * extra)
         if best_case > (1.0 + MARGIN) * self._plain_rate(bs) and extra <= self.probe_credit:

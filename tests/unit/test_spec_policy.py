@@ -81,7 +81,7 @@ def test_probe_backoff_doubles_and_caps(monkeypatch):
 def test_probes_spend_a_bounded_share_of_step_time():
     from specserve.spec.policy import PROBE_BUDGET
 
-    policy = SpecPolicy(CostCurve([1, 64, 256], [10.0, 11.0, 40.0]), lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(CostCurve([1, 256, 1024], [10.0, 10.5, 40.0]), lambda k: 0.0, num_draft_tokens=12)
     states = [_state(0.0, backoff=0) for _ in range(16)]
     extra = plain = 0.0
     for _ in range(2000):
@@ -214,3 +214,12 @@ def test_probe_order_longest_skipped_first():
         s.num_skipped = skipped
     assert SpecPolicy.probe_order(states, [4, 4, 4, 4]) == [1, 2, 0]    # index 3 is not due yet
     assert SpecPolicy.probe_order(states, [4, 1, 4, 4]) == [2, 0]       # no room for a tree
+
+
+def test_no_probe_where_even_a_fully_accepted_probe_would_not_make_the_tree_pay():
+    """At 16 requests on a CPU-like curve a 12-node tree pays only for a request known to be
+    very good; one 4-node probe cannot show that, so none is spent (a 1-request batch probes)."""
+    policy = SpecPolicy(CostCurve([1, 16, 64], [14.3, 20.2, 40.8]), lambda k: 0.0, num_draft_tokens=12)
+    states = [RequestPolicyState(backoff=0) for _ in range(16)]
+    assert all(policy.select(states, [12] * 16, [11] * 16) == [1] * 16 for _ in range(50))
+    assert policy.select([RequestPolicyState(backoff=0)], [12], [11]) == [PROBE_NODES]
