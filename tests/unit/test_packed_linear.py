@@ -47,3 +47,14 @@ def test_bfloat16_rows_do_not_depend_on_the_other_rows(in_features):
         for num_rows in (2, 5, 17):
             assert torch.equal(layer(x[:num_rows]), together[:num_rows])
         assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
+
+
+def test_one_flagged_layer_flags_its_shape(monkeypatch):
+    """The probe is statistical; the rounding difference is the kernel's, so it goes per shape."""
+    import specserve.models.packed_linear as packed_linear
+
+    first, second = (Linear(32, 16, bias=False).to(torch.bfloat16) for _ in range(2))
+    other = Linear(16, 32, bias=False).to(torch.bfloat16)
+    monkeypatch.setattr(packed_linear, "_is_one_row_invariant", lambda module: module is not first)
+    pack_linears_for_cpu(torch.nn.Sequential(first, second, other))
+    assert first.pads_single_row and second.pads_single_row and not other.pads_single_row
