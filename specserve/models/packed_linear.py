@@ -12,9 +12,10 @@ Row invariance: a bfloat16 row's result must not depend on how many rows share t
 call (greedy speculative output == plain decoding). oneDNN's one-row kernel can round
 differently from its many-row kernel (seen on AMD EPYC for the 1536-wide down
 projection; the many-row kernel agrees with itself from 2 rows on). Packing probes
-each bfloat16 layer once and, where one row disagrees for any layer of a shape,
-runs single rows of that shape as two (the same cost there). float32 keeps its fast paths: its rounding differences are
-far below what flips a greedy choice in practice.
+bfloat16 layers shape by shape and, where one row disagrees for any layer of a
+shape, runs single rows of that shape as two (the same cost there). float32 keeps
+its fast paths: its rounding differences are far below what flips a greedy choice
+in practice.
 """
 from __future__ import annotations
 
@@ -62,7 +63,6 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
             continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         module.plain_max_rows = FLOAT32_PLAIN_MAX_ROWS if weight.dtype == torch.float32 else 0
-        module.pads_single_row = weight.dtype == torch.bfloat16 and not _is_one_row_invariant(module)
         count += 1
     _pad_single_rows_per_shape(model)
     logger.debug("prepacked %d linear layers for oneDNN", count)
@@ -76,8 +76,12 @@ def _shape_key(module: Linear) -> tuple:
 def _pad_single_rows_per_shape(model: nn.Module) -> None:
     """The one-row rounding difference belongs to oneDNN's kernel for a shape, while each
     layer's probe sees it only with some probability: one flagged layer flags its shape."""
-    packed = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None]
-    flagged = {_shape_key(m) for m in packed if m.pads_single_row}
+    packed = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is not None
+              and m.weight.dtype == torch.bfloat16]
+    flagged: set[tuple] = set()
+    for module in packed:                  # a shape already flagged needs no more probes
+        if _shape_key(module) not in flagged and not _is_one_row_invariant(module):
+            flagged.add(_shape_key(module))
     for module in packed:
         module.pads_single_row = _shape_key(module) in flagged
 
