@@ -142,7 +142,7 @@ class DraftHead(nn.Module):
         if mode:
             for module in self.modules():
                 if isinstance(module, Linear):
-                    module.packed_weight = None
+                    module.unpack()
         return super().train(mode)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:

@@ -16,18 +16,32 @@ bfloat16 layers shape by shape and, where one row disagrees for any layer of a
 shape, runs single rows of that shape as two (the same cost there). float32 keeps
 its fast paths: its rounding differences are far below what flips a greedy choice
 in practice.
+
+Where the skinny kernel (``specserve/kernels``, AVX2) builds, inputs of few rows use it
+instead: it streams the weights once for all rows, so verifying a few tokens costs about
+what decoding one costs, and every row's bits are independent of the other rows.
+float32 layers use it up to ``FLOAT32_SKINNY_MAX_ROWS`` rows (oneDNN wins beyond, on
+prefill). CPUs without oneDNN bfloat16 kernels (AVX2 only: no AVX512-BW/VL/DQ, no
+AVX-NE-CONVERT) run ``F.linear`` in bfloat16 through a reference loop, 3-50x slower than
+float32; there bfloat16 layers use the skinny kernel for every row count (prefill too), or,
+where it cannot be built, a packed float32 copy of the weight, rounding results to bfloat16.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels import skinny
+
 logger = logging.getLogger(__name__)
 
 FLOAT32_PLAIN_MAX_ROWS = 3
+FLOAT32_SKINNY_MAX_ROWS = 32
+ALL_ROWS = 2**62
 
 
 class Linear(nn.Linear):
@@ -36,24 +50,51 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     plain_max_rows: int = 0            # inputs of up to this many rows use F.linear
     pads_single_row: bool = False      # one row runs as two (the many-row kernel's rounding)
+    compute_dtype: torch.dtype | None = None   # set: no kernels for the weight's dtype here
+    compute_bias: torch.Tensor | None = None   # the bias in compute_dtype
+    skinny_max_rows: int = 0           # inputs of up to this many rows use the skinny kernel
+    skinny_bias: torch.Tensor | None = None    # the bias in float32, for the skinny kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed_weight
-        if packed is None or x.shape[0] <= self.plain_max_rows:
+        if x.numel() <= self.skinny_max_rows * self.in_features and not torch.is_grad_enabled():
+            return skinny.skinny_linear(x, self.weight, self.skinny_bias)
+        if self.compute_dtype is not None:
+            return self._packed(x.to(self.compute_dtype), self.compute_bias).to(x.dtype)
+        if self.packed_weight is None or x.shape[0] <= self.plain_max_rows:
             return F.linear(x, self.weight, self.bias)
+        return self._packed(x, self.bias)
+
+    def _packed(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.pads_single_row and x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x]), packed, self.bias, "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x]), self.packed_weight, bias,
+                                                      "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+
+    def unpack(self) -> None:
+        """Back to ``F.linear`` on ``self.weight`` (before training, or before changing it)."""
+        self.packed_weight = self.compute_dtype = self.compute_bias = self.skinny_bias = None
+        self.plain_max_rows, self.pads_single_row, self.skinny_max_rows = 0, False, 0
 
 
 def can_pack() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Prepack every CPU float32/bfloat16 ``Linear`` of ``model``; returns how many."""
+@functools.cache
+def has_packed_kernels(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs (and so has fast kernels for) ``dtype`` weights on this CPU."""
     if not can_pack():
-        return 0
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+    except RuntimeError:              # e.g. bfloat16 on an AVX2-only CPU
+        return False
+    return True
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Prepack every CPU float32/bfloat16 ``Linear`` of ``model`` (or route it to the skinny
+    kernel); returns how many."""
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -61,12 +102,45 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
             continue
         if weight.dtype not in (torch.float32, torch.bfloat16):
             continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        module.plain_max_rows = FLOAT32_PLAIN_MAX_ROWS if weight.dtype == torch.float32 else 0
         count += 1
+        if _use_skinny(module) and module.skinny_max_rows == ALL_ROWS:
+            continue                   # nothing to pack: every input runs the skinny kernel
+        if has_packed_kernels(weight.dtype):
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            module.plain_max_rows = FLOAT32_PLAIN_MAX_ROWS if weight.dtype == torch.float32 else 0
+        elif has_packed_kernels(torch.float32):
+            _pack_in_float32(module)
     _pad_single_rows_per_shape(model)
     logger.debug("prepacked %d linear layers for oneDNN", count)
     return count
+
+
+def _use_skinny(module: Linear) -> bool:
+    """Route few-row inputs (bfloat16 without oneDNN kernels: all inputs) to the skinny kernel."""
+    weight = module.weight
+    if not weight.is_contiguous() or not skinny.can_run(weight[:1], weight):
+        return False
+    if weight.dtype == torch.float32:
+        module.skinny_max_rows = FLOAT32_SKINNY_MAX_ROWS
+    elif not has_packed_kernels(weight.dtype):
+        module.skinny_max_rows = ALL_ROWS
+    else:
+        return False
+    module.skinny_bias = None if module.bias is None else module.bias.detach().float()
+    return True
+
+
+def _pack_in_float32(module: Linear) -> None:
+    if not _warned_upcast:
+        _warned_upcast.append(True)
+        logger.warning("this CPU has no oneDNN kernels for %s matmuls (they need AVX-512): those layers "
+                       "compute in float32; --dtype float32 runs faster here", module.weight.dtype)
+    module.compute_dtype = torch.float32
+    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach().float(), 1)
+    module.compute_bias = None if module.bias is None else module.bias.detach().float()
+
+
+_warned_upcast: list[bool] = []
 
 
 def _shape_key(module: Linear) -> tuple:
@@ -113,6 +187,6 @@ def warm_up_packed_linears(model: nn.Module, max_rows: int) -> int:
             continue
         seen.add(key)
         x = torch.zeros(max_rows, module.in_features, dtype=module.weight.dtype)
-        for num_rows in range(1, max_rows + 1):
+        for num_rows in range(min(module.skinny_max_rows, max_rows) + 1, max_rows + 1):
             module(x[:num_rows])
     return len(seen)

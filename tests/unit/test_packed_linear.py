@@ -10,10 +10,18 @@ from specserve.models.packed_linear import Linear, can_pack, pack_linears_for_cp
 pytestmark = pytest.mark.skipif(not can_pack(), reason="torch built without oneDNN")
 
 
+@pytest.fixture
+def without_skinny(monkeypatch):
+    """The oneDNN packing path alone (the skinny kernel has its own tests)."""
+    import specserve.models.packed_linear as packed_linear
+
+    monkeypatch.setattr(packed_linear, "_use_skinny", lambda module: False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 33, 130])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_matches_f_linear(dtype, rows, bias):
+def test_packed_matches_f_linear(dtype, rows, bias, without_skinny):
     torch.manual_seed(rows)
     layer = Linear(64, 96, bias=bias).to(dtype)
     x = torch.randn(rows, 64).to(dtype)
@@ -36,7 +44,8 @@ def test_float16_and_plain_modules_are_left_alone():
 @pytest.mark.parametrize("in_features", [576, 1536])
 def test_bfloat16_rows_do_not_depend_on_the_other_rows(in_features):
     """A row alone and inside a call of many rows get the same bits (the down projection's
-    1536 inputs are where oneDNN's one-row kernel rounded differently on AMD EPYC)."""
+    1536 inputs are where oneDNN's one-row kernel rounded differently on AMD EPYC), on the
+    path this CPU takes (the skinny kernel where it builds)."""
     torch.manual_seed(in_features)
     layer = Linear(in_features, 576, bias=False).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.05)
@@ -49,7 +58,7 @@ def test_bfloat16_rows_do_not_depend_on_the_other_rows(in_features):
         assert all(torch.equal(layer(x[i:i + 1]), together[i:i + 1]) for i in range(40))
 
 
-def test_one_flagged_layer_flags_its_shape(monkeypatch):
+def test_one_flagged_layer_flags_its_shape(monkeypatch, without_skinny):
     """The probe is statistical; the rounding difference is the kernel's, so it goes per shape."""
     import specserve.models.packed_linear as packed_linear
 

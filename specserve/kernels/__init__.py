@@ -1,0 +1,1 @@
+"""Native CPU kernels built on first use (see skinny.py). Nothing here imports specserve."""

@@ -1,0 +1,132 @@
+/* Weight-streaming linear for decode-shaped inputs (few rows), AVX2 + FMA:
+       y[M,N] = x[M,K] @ w[N,K]^T (+ bias), float32 accumulation, float32 or bfloat16 x/w/y.
+   Weights are read once per call, in blocks of NB rows, each block against all M input rows
+   (MB at a time), so a verify over a few tokens costs about what one token costs while the
+   weights stream from memory. bfloat16 weights are widened in registers (no float32 copy).
+   Row invariance: every output is one chain of FMAs over k (8 lanes) and the same horizontal
+   sum, whatever M, the row grouping or the thread count, so a row's bits never depend on the
+   other rows of the call (greedy speculative output == plain decoding, batched == alone).
+   Built and loaded by specserve/kernels/skinny.py. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NB 4           /* weight rows per block */
+#define MB 3           /* input rows per block */
+#define PF_BLOCKS 4    /* prefetch distance, in weight blocks */
+
+static inline __m256 load_bf16(const uint16_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* NB weight rows (stride K, element type T, loader LOAD) x R input rows (fp32, stride K).
+   pf: the same region of a later block to prefetch (NULL: none); pf_step: k per cache line. */
+#define DEFINE_BLOCK(NAME, T, LOAD, R)                                                        \
+static inline void NAME(const float *x, const T *w, int K, const T *pf, int pf_step,         \
+                        float out[NB][MB]) {                                                  \
+    __m256 acc[NB][R];                                                                        \
+    for (int i = 0; i < NB; i++)                                                              \
+        for (int j = 0; j < R; j++) acc[i][j] = _mm256_setzero_ps();                          \
+    for (int k = 0; k < K; k += 8) {                                                          \
+        if (pf && k % pf_step == 0)                                                           \
+            for (int i = 0; i < NB; i++) _mm_prefetch((const char *)(pf + (long)i * K + k), _MM_HINT_T0); \
+        __m256 xv[R];                                                                         \
+        for (int j = 0; j < R; j++) xv[j] = _mm256_loadu_ps(x + (long)j * K + k);            \
+        for (int i = 0; i < NB; i++) {                                                        \
+            __m256 wv = LOAD(w + (long)i * K + k);                                            \
+            for (int j = 0; j < R; j++) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);   \
+        }                                                                                     \
+    }                                                                                         \
+    for (int i = 0; i < NB; i++)                                                              \
+        for (int j = 0; j < R; j++) out[i][j] = hsum8(acc[i][j]);                             \
+}
+DEFINE_BLOCK(f32_1, float, load_f32, 1)
+DEFINE_BLOCK(f32_2, float, load_f32, 2)
+DEFINE_BLOCK(f32_3, float, load_f32, 3)
+DEFINE_BLOCK(bf16_1, uint16_t, load_bf16, 1)
+DEFINE_BLOCK(bf16_2, uint16_t, load_bf16, 2)
+DEFINE_BLOCK(bf16_3, uint16_t, load_bf16, 3)
+
+static void f32_rows(const float *x, const float *w, int K, const float *pf, int r, float out[NB][MB]) {
+    if (r == 3) f32_3(x, w, K, pf, 16, out);
+    else if (r == 2) f32_2(x, w, K, pf, 16, out);
+    else f32_1(x, w, K, pf, 16, out);
+}
+static void bf16_rows(const float *x, const uint16_t *w, int K, const uint16_t *pf, int r, float out[NB][MB]) {
+    if (r == 3) bf16_3(x, w, K, pf, 32, out);
+    else if (r == 2) bf16_2(x, w, K, pf, 32, out);
+    else bf16_1(x, w, K, pf, 32, out);
+}
+
+/* one block of NB weight rows against all M input rows, into res[M][NB] */
+static void weight_block(const float *xf, const void *w, int M, int K, int is_bf16,
+                         const void *pf, float *res) {
+    float out[NB][MB];
+    const int num_mblocks = (M + MB - 1) / MB;
+    for (int m = 0, blk = 0; m < M; blk++) {
+        const int r = (M - m) / (num_mblocks - blk) + ((M - m) % (num_mblocks - blk) != 0);
+        const float *xm = xf + (long)m * K;
+        if (is_bf16) bf16_rows(xm, (const uint16_t *)w, K, m == 0 ? pf : NULL, r, out);
+        else f32_rows(xm, (const float *)w, K, m == 0 ? pf : NULL, r, out);
+        for (int j = 0; j < r; j++)
+            for (int i = 0; i < NB; i++) res[(long)(m + j) * NB + i] = out[i][j];
+        m += r;
+    }
+}
+
+/* dtype: 0 float32, 1 bfloat16 (x, w and y share it). bias: fp32 or NULL. K % 8 == 0. */
+int skinny_linear(const void *x, const void *w, const float *bias, void *y,
+                  int M, int N, int K, int dtype, int nthreads) {
+    if (K % 8 || M < 1 || N < 1) return -1;
+    const int is_bf16 = dtype == 1;
+    const long esize = is_bf16 ? 2 : 4;
+    float *xf = (float *)x;
+    if (is_bf16) {
+        xf = (float *)malloc((size_t)M * K * 4);
+        for (long i = 0; i < (long)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16((const uint16_t *)x + i));
+    }
+    const int nblocks = (N + NB - 1) / NB;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        void *tail = malloc((size_t)NB * K * esize);
+        float *res = (float *)malloc((size_t)M * NB * 4);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < nblocks; b++) {
+            const int n = b * NB, nb = N - n < NB ? N - n : NB;
+            const char *wb = (const char *)w + (long)n * K * esize;
+            const char *pf = b + PF_BLOCKS < nblocks ? wb + (long)PF_BLOCKS * NB * K * esize : NULL;
+            if (nb < NB) {                    /* last partial block: pad with zero rows */
+                memset(tail, 0, (size_t)NB * K * esize);
+                memcpy(tail, wb, (size_t)nb * K * esize);
+                wb = (const char *)tail;
+            }
+            weight_block(xf, wb, M, K, is_bf16, pf, res);
+            for (int m = 0; m < M; m++)
+                for (int i = 0; i < nb; i++) {
+                    float v = res[(long)m * NB + i] + (bias ? bias[n + i] : 0.f);
+                    if (is_bf16) ((uint16_t *)y)[(long)m * N + n + i] = f32_to_bf16(v);
+                    else ((float *)y)[(long)m * N + n + i] = v;
+                }
+        }
+        free(tail);
+        free(res);
+    }
+    if (is_bf16) free(xf);
+    return 0;
+}
