@@ -1,36 +1,19 @@
-"""The skinny linear kernel (``skinny_linear.c``): built once per machine, loaded with ctypes.
+"""The skinny linear kernel (``skinny_linear.c``; built by ``build.py``).
 
 ``skinny_linear(x, weight, bias)`` computes ``F.linear`` for float32 or bfloat16 CPU tensors
 with few rows: the weights stream from memory once per call for every row, and each row's
-result is bit-for-bit independent of the other rows (see the C file). It is built on first
-use with the C compiler (``$CC`` or ``cc``; AVX2 + FMA, OpenMP) into
-``$SPECSERVE_CACHE/kernels`` and reused; where it cannot be built or loaded (no compiler, a
-CPU without AVX2), ``is_available()`` is False and callers keep torch's kernels.
-``SPECSERVE_KERNELS=0`` turns it off.
+result is bit-for-bit independent of the other rows (see the C file).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from specserve.kernels import build
 
-SOURCE = Path(__file__).with_name("skinny_linear.c")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve"
-    return Path(root) / "kernels"
 
 
 def is_available() -> bool:
@@ -62,38 +45,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("SPECSERVE_KERNELS", "1") == "0" or not _cpu_supports_avx2():
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("the skinny linear kernel could not be built or loaded (%s); using torch's kernels", exc)
-        return None
-    lib.skinny_linear.restype = ctypes.c_int
-    lib.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    lib = build.load("skinny_linear")
+    if lib is not None:
+        lib.skinny_linear.restype = ctypes.c_int
+        lib.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     return lib
-
-
-def _cpu_supports_avx2() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def _build() -> Path:
-    """Compile the kernel once for this source and these flags; concurrent builders each
-    write a temporary file and rename it into place."""
-    source = SOURCE.read_bytes()
-    compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"skinny_linear-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built)],
-                                capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[:500]}")
-        os.replace(built, target)
-    logger.info("built the skinny linear kernel: %s", target)
-    return target

@@ -6,7 +6,7 @@
    Row invariance: every output is one chain of FMAs over k (8 lanes) and the same horizontal
    sum, whatever M, the row grouping or the thread count, so a row's bits never depend on the
    other rows of the call (greedy speculative output == plain decoding, batched == alone).
-   Built and loaded by specserve/kernels/skinny.py. */
+   Built by specserve/kernels/build.py, called from skinny.py. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>

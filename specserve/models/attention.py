@@ -15,7 +15,10 @@ Decode-shaped forwards (at most ``ROW_INVARIANT_MAX_QUERY`` new tokens a request
 run ``row_invariant_attention`` over a key axis padded to a multiple of
 ``KEY_BLOCK``: its result for a query row does not depend on the other rows, on
 padding or on masked tree branches, which makes greedy speculative decoding
-bit-identical to plain decoding, in bfloat16 too.
+bit-identical to plain decoding, in bfloat16 too. On CPUs where the native kernel
+builds (``specserve/kernels/paged_attention.c``), those forwards run it instead: the
+same per-row guarantee, with K/V read from the cache by slot (no gathers) and no
+padding work, so decode rows and trees need not be split into groups.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels import attention as attention_kernel
 from specserve.models.row_invariant_attention import KEY_BLOCK, row_invariant_attention
 
 ROW_INVARIANT_MAX_QUERY = 64
@@ -40,6 +44,10 @@ class AttentionMetadata:
     max_query_len: int
     row_invariant: bool = False          # keys padded to KEY_BLOCK: use row_invariant_attention
     parts: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None   # (rows of [T], metadata) groups
+    # for the native row-invariant kernel (set with row_invariant on CPU where it builds):
+    query_mask: torch.Tensor | None = None    # [B, Q, L] bool, the mask before the GQA repeat
+    row_batch: torch.Tensor | None = None     # [T] int32: each new token's request
+    row_query: torch.Tensor | None = None     # [T] int32: its query index within the request
 
 
 class KVCache:
@@ -74,7 +82,8 @@ def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: t
     total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     max_len = max(total_lens)
     row_invariant = pad_slot is not None and max_q <= ROW_INVARIANT_MAX_QUERY
-    if row_invariant and max_q > 1 and min(extend_lens) == 1:
+    uses_kernel = row_invariant and device.type == "cpu" and attention_kernel.is_available()
+    if row_invariant and not uses_kernel and max_q > 1 and min(extend_lens) == 1:
         return _split_metadata(prefix_lens, extend_lens, kv_indices, out_cache_loc, tree_masks,
                                num_kv_groups, pad_slot)
     if row_invariant:
@@ -87,15 +96,28 @@ def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: t
         query_index, output_index = _padding_indices(extend_lens, max_q, device)
     has_tree = tree_masks is not None and any(m is not None for m in tree_masks)
     needs_mask = row_invariant or has_tree or max_q > 1 or len(set(total_lens)) > 1
-    mask = None
+    mask = query_mask = None
     if needs_mask:
         mask = _causal_mask(prefix_lens, extend_lens, max_q, max_len, device)
         if has_tree:
             _apply_tree_masks(mask, prefix_lens, tree_masks)
+        query_mask = mask.squeeze(1)                                          # [B, Q, L]
         if num_kv_groups > 1:
             mask = mask.repeat(1, 1, num_kv_groups, 1)                        # [B, 1, g*Q, L]
-    return AttentionMetadata(out_cache_loc, kv_indices, mask, query_index, output_index,
+    meta = AttentionMetadata(out_cache_loc, kv_indices, mask, query_index, output_index,
                              batch_size, max_q, row_invariant)
+    if uses_kernel:
+        meta.query_mask = query_mask
+        meta.row_batch, meta.row_query = _query_rows(extend_lens, device)
+    return meta
+
+
+def _query_rows(extend_lens: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new token's request and query index, in the flat [T] order."""
+    row_batch = [b for b, e in enumerate(extend_lens) for _ in range(e)]
+    row_query = [j for e in extend_lens for j in range(e)]
+    return (torch.tensor(row_batch, dtype=torch.int32, device=device),
+            torch.tensor(row_query, dtype=torch.int32, device=device))
 
 
 def _split_metadata(prefix_lens, extend_lens, kv_indices, out_cache_loc, tree_masks, num_kv_groups,
@@ -172,6 +194,9 @@ class TorchSDPABackend:
         k_layer, v_layer = cache.k[layer_id], cache.v[layer_id]
         k_layer.index_copy_(0, meta.out_cache_loc, k)
         v_layer.index_copy_(0, meta.out_cache_loc, v)
+        if meta.row_batch is not None and attention_kernel.can_run(q, k_layer):
+            return attention_kernel.paged_attention(q, k_layer, v_layer, meta.kv_indices, meta.query_mask,
+                                                    meta.row_batch, meta.row_query)
         if meta.parts is None:
             return self._attend(q, k_layer, v_layer, meta)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -7,9 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.kernels import attention as attention_kernel
 from specserve.models.attention import KVCache, TorchSDPABackend, build_metadata
 
 NUM_KV, GROUP, HEAD_DIM, PAD_SLOT = 3, 3, 64, 4095
+
+
+@pytest.fixture(params=["native kernel", "torch"], autouse=True)
+def attention_path(request, monkeypatch):
+    """Every test runs on both row-invariant paths: the native kernel (where it builds) and
+    torch's float64 reductions."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention_kernel, "is_available", lambda: False)
+    elif not attention_kernel.is_available():
+        pytest.skip("native attention kernel not built here (no AVX2 or no C compiler)")
+    return request.param
 
 
 def _cache(dtype):
@@ -81,9 +93,9 @@ def test_row_invariant_attention_matches_sdpa_closely(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_rows_beside_a_tree_attend_unpadded_and_unchanged(dtype):
+def test_decode_rows_beside_a_tree_attend_unpadded_and_unchanged(dtype, attention_path):
     """A batch of decode rows and one verify tree: the decode rows attend in their own group
-    (not padded to the tree's width) and every row equals its computation alone."""
+    (torch path: not padded to the tree's width) and every row equals its computation alone."""
     cache = _cache(dtype)
     n, prefix = 5, 77
     q = torch.randn(2 + n, NUM_KV * GROUP, HEAD_DIM).to(dtype)
@@ -98,8 +110,11 @@ def test_decode_rows_beside_a_tree_attend_unpadded_and_unchanged(dtype):
         kv_indices[b, :len(slots)] = torch.tensor(slots)
     meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor(new_slots),
                           num_kv_groups=GROUP, pad_slot=PAD_SLOT)
-    assert [part.batch_size for _, part in meta.parts] == [2, 1]
-    assert meta.parts[0][1].max_query_len == 1
+    if attention_path == "torch":
+        assert [part.batch_size for _, part in meta.parts] == [2, 1]
+        assert meta.parts[0][1].max_query_len == 1
+    else:
+        assert meta.parts is None and meta.row_batch.tolist() == [0, 1, 2, 2, 2, 2, 2]
     together = TorchSDPABackend().forward(q, k, v, 0, cache, meta)
     for b in range(2):
         alone = _attend(cache, q[b:b + 1], k[b:b + 1], v[b:b + 1], [prefix_lens[b]], [1], [rows[b]], [new_slots[b]])

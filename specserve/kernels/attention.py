@@ -1,0 +1,48 @@
+"""Row-invariant paged decode attention (``paged_attention.c``; built by ``build.py``)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from specserve.kernels import build
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def is_available() -> bool:
+    return _library() is not None
+
+
+def can_run(q: torch.Tensor, k_layer: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype == k_layer.dtype and q.dtype in DTYPE_CODES
+            and q.shape[-1] % 8 == 0 and is_available())
+
+
+def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, kv_indices: torch.Tensor,
+                    query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, hd]; k_layer/v_layer [S, nkv, hd] (contiguous); kv_indices [B, L] int64;
+    query_mask [B, Q, L] bool (True = attend); row_batch/row_query [T] int32: the request and
+    query index of each row. Returns [T, nh * hd] in q's dtype."""
+    q = q.contiguous()
+    num_rows, num_heads, head_dim = q.shape
+    out = q.new_empty(num_rows, num_heads * head_dim)
+    batch, num_queries, num_keys = query_mask.shape
+    status = _library().paged_attention(
+        q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), kv_indices.data_ptr(),
+        query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), num_rows, num_keys, num_queries,
+        num_heads, k_layer.shape[1], head_dim, DTYPE_CODES[q.dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"paged_attention rejected {num_heads} heads over {k_layer.shape[1]} KV heads "
+                           f"of dim {head_dim}")
+    return out
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = build.load("paged_attention")
+    if lib is not None:
+        lib.paged_attention.restype = ctypes.c_int
+        lib.paged_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8
+    return lib

@@ -1,0 +1,65 @@
+"""Build a kernel's C file once per machine and load it with ctypes.
+
+Each kernel (``<name>.c`` beside this file) is compiled on first use with the C compiler
+(``$CC`` or ``cc``; AVX2 + FMA, OpenMP) into ``$SPECSERVE_CACHE/kernels`` (default
+``~/.cache/specserve/kernels``), named by a hash of its source and flags, and reused.
+``load(name)`` returns None where it cannot be built or loaded (no compiler, a CPU
+without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep torch's kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve"
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get("SPECSERVE_KERNELS", "1") == "0" or not _cpu_supports_avx2():
+        return None
+    try:
+        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"))))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("kernel %s could not be built or loaded (%s); using torch's kernels", name, exc)
+        return None
+
+
+def _cpu_supports_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _build(source_path: Path) -> Path:
+    """Compile once for this source and these flags; concurrent builders each write a
+    temporary file and rename it into place."""
+    source = source_path.read_bytes()
+    compiler = os.environ.get("CC", "cc")
+    digest = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source_path.stem}-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *CFLAGS, str(source_path), "-o", str(built)],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.replace(built, target)
+    logger.info("built kernel %s", target)
+    return target

@@ -1,0 +1,169 @@
+/* Row-invariant paged attention for decode-shaped forwards (AVX2 + FMA).
+
+   For every query row t (request b = row_batch[t], query j = row_query[t]) and query head,
+   attend to the keys l of request b that mask[b, j, l] allows, reading K/V straight from the
+   paged cache at slot kv_indices[b, l]:
+       score_l = (q . K[slot_l]) / sqrt(head_dim)        8-lane FMA chain + fixed horizontal sum
+       w_l     = exp(score_l - max score)                one vectorized exp, elementwise
+       out     = (sum_l w_l V[slot_l]) / (sum_l w_l)     keys in order, float32
+   Every step depends only on the keys a row attends to, in their order, never on the other
+   rows, the batch, padding or masked keys (skipped, not added as zeros), nor on the thread
+   count: a token gets the same bits verified inside a draft tree, decoded alone or batched.
+   The query heads of a GQA group share each K/V load.
+   Built by specserve/kernels/build.py, called from attention.py. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16          /* query heads per KV head */
+
+static inline __m256 load8(const void *p, int is_bf16) {
+    if (is_bf16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)p);
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    }
+    return _mm256_loadu_ps((const float *)p);
+}
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp on 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp);
+   exp(-inf) = 0. The same code for every lane, so a value's exp never depends on its
+   neighbours. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, c1, x);
+    x = _mm256_fnmadd_ps(fx, c2, x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(is_tiny, y);
+}
+
+/* One query row against one KV head: the `group` query heads q[g * head_dim ...] (float32,
+   already scaled), keys/values at `slots` (num_keys of them). scores: >= round8(num_keys) *
+   group floats of scratch. Writes out[g * head_dim + d] in float32. */
+static void attend_row(const float *q, const char *k_base, const char *v_base, long slot_stride,
+                       const int64_t *slots, int num_keys, int group, int head_dim, int is_bf16,
+                       float *scores, float *out) {
+    const int esize = is_bf16 ? 2 : 4;
+    const int padded = (num_keys + 7) / 8 * 8;
+    float maxs[MAX_GROUP];
+    for (int g = 0; g < group; g++) maxs[g] = -INFINITY;
+    for (int l = 0; l < num_keys; l++) {
+        const char *key = k_base + slots[l] * slot_stride;
+        for (int g = 0; g < group; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < head_dim; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + d), load8(key + d * esize, is_bf16), acc);
+            float s = hsum8(acc);
+            scores[g * padded + l] = s;
+            if (s > maxs[g]) maxs[g] = s;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float *row = scores + g * padded;
+        for (int l = num_keys; l < padded; l++) row[l] = -INFINITY;
+        __m256 m = _mm256_set1_ps(maxs[g]);
+        for (int l = 0; l < padded; l += 8)
+            _mm256_storeu_ps(row + l, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), m)));
+    }
+    for (int g = 0; g < group; g++) memset(out + g * head_dim, 0, head_dim * sizeof(float));
+    float sums[MAX_GROUP] = {0};
+    for (int l = 0; l < num_keys; l++) {
+        const char *value = v_base + slots[l] * slot_stride;
+        for (int g = 0; g < group; g++) {
+            const float w = scores[g * padded + l];
+            const __m256 wv = _mm256_set1_ps(w);
+            sums[g] += w;
+            float *o = out + g * head_dim;
+            for (int d = 0; d < head_dim; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, load8(value + d * esize, is_bf16), _mm256_loadu_ps(o + d)));
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inv = 1.0f / sums[g];
+        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv;
+    }
+}
+
+/* q [T, num_heads, head_dim]; k_layer/v_layer [num_slots, num_kv_heads, head_dim];
+   kv_indices [B, L] int64; mask [B, Q, L] bool; row_batch/row_query [T] int32;
+   out [T, num_heads * head_dim]. dtype 0 float32, 1 bfloat16 (q, K/V and out share it).
+   Returns 0, or -1 for shapes it does not take. */
+int paged_attention(const void *q, const void *k_layer, const void *v_layer, void *out,
+                    const int64_t *kv_indices, const uint8_t *mask,
+                    const int32_t *row_batch, const int32_t *row_query,
+                    int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
+                    int dtype, int nthreads) {
+    const int group = num_heads / num_kv_heads;
+    if (head_dim % 8 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
+    const int is_bf16 = dtype == 1, esize = is_bf16 ? 2 : 4;
+    const long slot_stride = (long)num_kv_heads * head_dim * esize;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int padded = (L + 7) / 8 * 8;
+        float *scores = (float *)malloc((size_t)padded * group * sizeof(float));
+        int64_t *slots = (int64_t *)malloc((size_t)L * sizeof(int64_t));
+        float *qf = (float *)malloc((size_t)group * head_dim * sizeof(float));
+        float *res = (float *)malloc((size_t)group * head_dim * sizeof(float));
+        #pragma omp for schedule(static)
+        for (long task = 0; task < (long)T * num_kv_heads; task++) {
+            const int t = (int)(task / num_kv_heads), h = (int)(task % num_kv_heads);
+            const int b = row_batch[t], j = row_query[t];
+            const uint8_t *allowed = mask + ((long)b * Q + j) * L;
+            int num_keys = 0;
+            for (int l = 0; l < L; l++)
+                if (allowed[l]) slots[num_keys++] = kv_indices[(long)b * L + l];
+            const long q_off = ((long)t * num_heads + (long)h * group) * head_dim;
+            for (int i = 0; i < group * head_dim; i++) {
+                float v;
+                if (is_bf16) {
+                    uint32_t u = (uint32_t)((const uint16_t *)q)[q_off + i] << 16;
+                    memcpy(&v, &u, 4);
+                } else {
+                    v = ((const float *)q)[q_off + i];
+                }
+                qf[i] = v * scale;
+            }
+            attend_row(qf, (const char *)k_layer + (long)h * head_dim * esize,
+                       (const char *)v_layer + (long)h * head_dim * esize, slot_stride,
+                       slots, num_keys, group, head_dim, is_bf16, scores, res);
+            for (int i = 0; i < group * head_dim; i++) {
+                if (is_bf16) ((uint16_t *)out)[q_off + i] = f32_to_bf16(res[i]);
+                else ((float *)out)[q_off + i] = res[i];
+            }
+        }
+        free(scores);
+        free(slots);
+        free(qf);
+        free(res);
+    }
+    return 0;
+}
