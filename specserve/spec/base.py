@@ -192,7 +192,7 @@ class SpecWorker:
         """Nobody speculates: the engine's decode forward and sampling; the unused slots
         reserved for the trees go back to the pool."""
         logits = engine.decode_forward(items)
-        tv.compact_kv(engine, items, trees, [AcceptResult([0], -1) for _ in items])
+        tv.keep_root_slots(engine, items, trees)
         return engine.sample_one_each([item.req for item in items], logits)
 
     def _plan(self, engine, items: list) -> list[DraftTree]:
@@ -254,7 +254,7 @@ class SpecWorker:
 
 
 def tree_depth(tree: DraftTree) -> int:
-    return int(depths(tree.parents).max())
+    return 0 if tree.is_root_only else int(depths(tree.parents).max())
 
 
 def max_tree_nodes(engine, item, num_draft_tokens: int) -> int:

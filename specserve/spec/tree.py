@@ -122,8 +122,12 @@ def chain(tokens: Sequence[int] | Tensor, draft_probs: Tensor | None = None) -> 
 
 
 def root_only(root_token: int) -> DraftTree:
-    """The "empty" tree: no speculation, plain decoding of one token."""
-    return chain([root_token])
+    """The "empty" tree: no speculation, plain decoding of one token (built on every
+    step of every request the policy skips, so it shares one parents tensor)."""
+    return DraftTree(torch.tensor([root_token], dtype=torch.int64), _ROOT_PARENTS)
+
+
+_ROOT_PARENTS = torch.tensor([-1], dtype=torch.int64)   # read-only: never modified in place
 
 
 # ---- structure ------------------------------------------------------------------
