@@ -1,4 +1,4 @@
-"""Row-invariant paged decode attention (``paged_attention.c``; built by ``build.py``)."""
+"""Row-invariant paged decode attention (``paged_attention.c``, in the library ``build.py`` builds)."""
 from __future__ import annotations
 
 import ctypes
@@ -25,7 +25,7 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     """q [T, nh, hd]; k_layer/v_layer [S, nkv, hd] (contiguous); kv_indices [B, L] int64;
     query_mask [B, Q, L] bool (True = attend); row_batch/row_query [T] int32: the request and
     query index of each row. Returns [T, nh * hd] in q's dtype."""
-    q = q.contiguous()
+    q, kv_indices, query_mask = q.contiguous(), kv_indices.contiguous(), query_mask.contiguous()
     num_rows, num_heads, head_dim = q.shape
     out = q.new_empty(num_rows, num_heads * head_dim)
     batch, num_queries, num_keys = query_mask.shape
@@ -41,7 +41,7 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = build.load("paged_attention")
+    lib = build.load()
     if lib is not None:
         lib.paged_attention.restype = ctypes.c_int
         lib.paged_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8

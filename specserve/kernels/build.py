@@ -1,10 +1,11 @@
 """Build a kernel's C file once per machine and load it with ctypes.
 
-Each kernel (``<name>.c`` beside this file) is compiled on first use with the C compiler
-(``$CC`` or ``cc``; AVX2 + FMA, OpenMP) into ``$SPECSERVE_CACHE/kernels`` (default
-``~/.cache/specserve/kernels``), named by a hash of its source and flags, and reused.
-``load(name)`` returns None where it cannot be built or loaded (no compiler, a CPU
-without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep torch's kernels.
+``cpu_kernels.c`` (which includes the other C files here) is compiled on first use with
+the C compiler (``$CC`` or ``cc``; AVX2 + FMA, OpenMP) into ``$SPECSERVE_CACHE/kernels``
+(default ``~/.cache/specserve/kernels``), named by a hash of every C source and header
+here and the flags, and reused. ``load()`` returns None where it cannot be built or
+loaded (no compiler, a CPU without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep
+torch's kernels.
 """
 from __future__ import annotations
 
@@ -29,14 +30,18 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+SOURCE_DIR = Path(__file__).parent
+LIBRARY = "cpu_kernels"
+
+
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
+def load() -> ctypes.CDLL | None:
     if os.environ.get("SPECSERVE_KERNELS", "1") == "0" or not _cpu_supports_avx2():
         return None
     try:
-        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"))))
+        return ctypes.CDLL(str(_build(SOURCE_DIR / f"{LIBRARY}.c")))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("kernel %s could not be built or loaded (%s); using torch's kernels", name, exc)
+        logger.warning("the CPU kernels could not be built or loaded (%s); using torch's kernels", exc)
         return None
 
 
@@ -45,9 +50,9 @@ def _cpu_supports_avx2() -> bool:
 
 
 def _build(source_path: Path) -> Path:
-    """Compile once for this source and these flags; concurrent builders each write a
+    """Compile once for these sources and flags; concurrent builders each write a
     temporary file and rename it into place."""
-    source = source_path.read_bytes()
+    source = b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]")))
     compiler = os.environ.get("CC", "cc")
     digest = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source_path.stem}-{digest}.so"

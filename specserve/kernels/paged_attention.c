@@ -10,35 +10,10 @@
    rows, the batch, padding or masked keys (skipped, not added as zeros), nor on the thread
    count: a token gets the same bits verified inside a draft tree, decoded alone or batched.
    The query heads of a GQA group share each K/V load.
-   Built by specserve/kernels/build.py, called from attention.py. */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+   Built by build.py (cpu_kernels.c), called from attention.py and decoder_layer.c. */
+#include "common.h"
 
 #define MAX_GROUP 16          /* query heads per KV head */
-
-static inline __m256 load8(const void *p, int is_bf16) {
-    if (is_bf16) {
-        __m128i v = _mm_loadu_si128((const __m128i *)p);
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-    }
-    return _mm256_loadu_ps((const float *)p);
-}
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
 
 /* exp on 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp);
    exp(-inf) = 0. The same code for every lane, so a value's exp never depends on its
@@ -112,15 +87,15 @@ static void attend_row(const float *q, const char *k_base, const char *v_base, l
     }
 }
 
-/* q [T, num_heads, head_dim]; k_layer/v_layer [num_slots, num_kv_heads, head_dim];
-   kv_indices [B, L] int64; mask [B, Q, L] bool; row_batch/row_query [T] int32;
-   out [T, num_heads * head_dim]. dtype 0 float32, 1 bfloat16 (q, K/V and out share it).
-   Returns 0, or -1 for shapes it does not take. */
-int paged_attention(const void *q, const void *k_layer, const void *v_layer, void *out,
-                    const int64_t *kv_indices, const uint8_t *mask,
-                    const int32_t *row_batch, const int32_t *row_query,
-                    int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
-                    int dtype, int nthreads) {
+/* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer
+   [num_slots, num_kv_heads, head_dim]; kv_indices [B, L] int64; mask [B, Q, L] bool;
+   row_batch/row_query [T] int32; out [T, num_heads * head_dim]. dtype 0 float32,
+   1 bfloat16 (q, K/V and out share it). Returns 0, or -1 for shapes it does not take. */
+int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
+                   const int64_t *kv_indices, const uint8_t *mask,
+                   const int32_t *row_batch, const int32_t *row_query,
+                   int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
+                   int dtype, int nthreads) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
     const int is_bf16 = dtype == 1, esize = is_bf16 ? 2 : 4;
@@ -141,24 +116,13 @@ int paged_attention(const void *q, const void *k_layer, const void *v_layer, voi
             int num_keys = 0;
             for (int l = 0; l < L; l++)
                 if (allowed[l]) slots[num_keys++] = kv_indices[(long)b * L + l];
-            const long q_off = ((long)t * num_heads + (long)h * group) * head_dim;
-            for (int i = 0; i < group * head_dim; i++) {
-                float v;
-                if (is_bf16) {
-                    uint32_t u = (uint32_t)((const uint16_t *)q)[q_off + i] << 16;
-                    memcpy(&v, &u, 4);
-                } else {
-                    v = ((const float *)q)[q_off + i];
-                }
-                qf[i] = v * scale;
-            }
+            const long q_off = (long)t * q_ld + (long)h * group * head_dim;
+            const long out_off = ((long)t * num_heads + (long)h * group) * head_dim;
+            for (int i = 0; i < group * head_dim; i++) qf[i] = get_elem(q, q_off + i, is_bf16) * scale;
             attend_row(qf, (const char *)k_layer + (long)h * head_dim * esize,
                        (const char *)v_layer + (long)h * head_dim * esize, slot_stride,
                        slots, num_keys, group, head_dim, is_bf16, scores, res);
-            for (int i = 0; i < group * head_dim; i++) {
-                if (is_bf16) ((uint16_t *)out)[q_off + i] = f32_to_bf16(res[i]);
-                else ((float *)out)[q_off + i] = res[i];
-            }
+            for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, res[i], is_bf16);
         }
         free(scores);
         free(slots);
@@ -166,4 +130,14 @@ int paged_attention(const void *q, const void *k_layer, const void *v_layer, voi
         free(res);
     }
     return 0;
+}
+
+/* q [T, num_heads, head_dim] contiguous; see attention_rows */
+int paged_attention(const void *q, const void *k_layer, const void *v_layer, void *out,
+                    const int64_t *kv_indices, const uint8_t *mask,
+                    const int32_t *row_batch, const int32_t *row_query,
+                    int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
+                    int dtype, int nthreads) {
+    return attention_rows(q, (long)num_heads * head_dim, k_layer, v_layer, out, kv_indices, mask, row_batch,
+                          row_query, T, L, Q, num_heads, num_kv_heads, head_dim, dtype, nthreads);
 }

@@ -1,4 +1,4 @@
-"""The skinny linear kernel (``skinny_linear.c``; built by ``build.py``).
+"""The skinny linear kernel (``skinny_linear.c``, in the library ``build.py`` builds).
 
 ``skinny_linear(x, weight, bias)`` computes ``F.linear`` for float32 or bfloat16 CPU tensors
 with few rows: the weights stream from memory once per call for every row, and each row's
@@ -45,7 +45,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = build.load("skinny_linear")
+    lib = build.load()
     if lib is not None:
         lib.skinny_linear.restype = ctypes.c_int
         lib.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5

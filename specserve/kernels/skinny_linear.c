@@ -6,34 +6,12 @@
    Row invariance: every output is one chain of FMAs over k (8 lanes) and the same horizontal
    sum, whatever M, the row grouping or the thread count, so a row's bits never depend on the
    other rows of the call (greedy speculative output == plain decoding, batched == alone).
-   Built by specserve/kernels/build.py, called from skinny.py. */
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+   Built by build.py (cpu_kernels.c), called from skinny.py and decoder_layer.c. */
+#include "common.h"
 
 #define NB 4           /* weight rows per block */
 #define MB 3           /* input rows per block */
 #define PF_BLOCKS 4    /* prefetch distance, in weight blocks */
-
-static inline __m256 load_bf16(const uint16_t *p) {
-    __m128i v = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
 
 /* NB weight rows (stride K, element type T, loader LOAD) x R input rows (fp32, stride K).
    pf: the same region of a later block to prefetch (NULL: none); pf_step: k per cache line. */

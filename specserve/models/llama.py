@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.kernels import layer as native_layer
 from specserve.models.attention import AttentionMetadata, KVCache, TorchSDPABackend
 from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from specserve.models.packed_linear import Linear
@@ -57,10 +58,34 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_id, input_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self._native: native_layer.LayerWeights | None = None
 
     def forward(self, h: torch.Tensor, cos, sin, cache, meta, backend) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def can_run_native(self, num_rows: int) -> bool:
+        """Whether ``forward_native`` computes this layer for ``num_rows`` rows: every linear
+        routes that many rows to the skinny kernel (so the two paths share their linears) and
+        the layer has no parts the native layer lacks (qk-norm, MLP or output biases)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (attn.q_norm is None and all(m.skinny_max_rows >= num_rows for m in linears)
+                and attn.o_proj.bias is None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+                and not torch.is_grad_enabled() and native_layer.is_available())
+
+    def forward_native(self, h: torch.Tensor, cos, sin, cache, meta) -> None:
+        """The layer in one native call, for decode-shaped forwards (``meta.row_batch`` set);
+        updates ``h`` in place."""
+        attn = self.self_attn
+        if self._native is None:
+            self._native = native_layer.layer_weights(
+                self.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
+                attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm.eps)
+        native_layer.decoder_layer(h, self._native, cos, sin, cache.k[attn.layer_id], cache.v[attn.layer_id],
+                                   meta.out_cache_loc, meta.kv_indices, meta.query_mask, meta.row_batch,
+                                   meta.row_query)
 
 
 class LlamaModel(nn.Module):
@@ -99,10 +124,14 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)                              # [T, H]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
         aux: list[torch.Tensor] = []
+        is_native = meta.row_batch is not None      # decode-shaped, native kernels built
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
-                aux.append(h)
-            h = layer(h, cos, sin, cache, meta, self.backend)
+                aux.append(h.clone() if is_native else h)
+            if is_native and layer.can_run_native(h.shape[0]):
+                layer.forward_native(h, cos, sin, cache, meta)
+            else:
+                h = layer(h, cos, sin, cache, meta, self.backend)
         h = self.model.norm(h)
         return (h, aux) if self.aux_layer_ids else h
 

@@ -1,0 +1,4 @@
+/* The CPU kernels, compiled together into one library by build.py. */
+#include "skinny_linear.c"
+#include "paged_attention.c"
+#include "decoder_layer.c"

@@ -1,0 +1,108 @@
+/* One Llama decoder layer for decode-shaped forwards, in one call (AVX2 + FMA):
+
+       x = RMSNorm(h) * w_ln1                 h: [T, H] residual stream, updated in place
+       q, k, v = x @ W_qkv^T (+ b)            rotary on q and k (rotate-half), K/V to the cache
+       h += paged_attention(q, cache) @ W_o^T
+       x = RMSNorm(h) * w_ln2
+       h += (silu(x @ W_gate^T) * (x @ W_up^T)) @ W_down^T
+
+   The linears are skinny_linear, the attention paged_attention; every other step is per
+   row in a fixed order, so the layer keeps their row invariance. Values are rounded to the
+   storage dtype where the torch layer (models/llama.py) stores them, so both paths compute
+   the same function (the bits may differ in the last place). What it replaces is ~40 torch
+   calls a layer, whose Python and dispatch overhead dominated decode steps once the
+   linears and attention were native. Built by build.py (cpu_kernels.c), called from layer.py. */
+#include "common.h"
+
+/* out[t] = round(w * round(h[t] / rms(h[t]))), HF's RMSNorm arithmetic */
+static void rms_norm(const void *h, const void *w, void *out, int T, int H, float eps, int is_bf16) {
+    for (int t = 0; t < T; t++) {
+        const long row = (long)t * H;
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < H; i += 8) {
+            __m256 v = load8((const char *)h + row * (is_bf16 ? 2 : 4) + i * (is_bf16 ? 2 : 4), is_bf16);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const float scale = 1.0f / sqrtf(hsum8(acc) / H + eps);
+        for (int i = 0; i < H; i++) {
+            const float normed = round_to(get_elem(h, row + i, is_bf16) * scale, is_bf16);
+            set_elem(out, row + i, get_elem(w, i, is_bf16) * normed, is_bf16);
+        }
+    }
+}
+
+/* rotate-half rotary, in place, on heads [first, first + count) of each row of qkv (stride ld) */
+static void rotary(void *qkv, long ld, int first, int count, const void *cos, const void *sin,
+                   int T, int hd, int is_bf16) {
+    const int half = hd / 2;
+    float buf[512];
+    for (int t = 0; t < T; t++) {
+        for (int head = first; head < first + count; head++) {
+            const long base = (long)t * ld + (long)head * hd;
+            for (int d = 0; d < hd; d++) buf[d] = get_elem(qkv, base + d, is_bf16);
+            for (int d = 0; d < hd; d++) {
+                const float rotated = d < half ? -buf[d + half] : buf[d - half];
+                const float a = round_to(buf[d] * get_elem(cos, (long)t * hd + d, is_bf16), is_bf16);
+                const float b = round_to(rotated * get_elem(sin, (long)t * hd + d, is_bf16), is_bf16);
+                set_elem(qkv, base + d, a + b, is_bf16);
+            }
+        }
+    }
+}
+
+static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *k_layer, void *v_layer,
+                        const int64_t *out_loc, int T, int kv_width, int is_bf16) {
+    const int esize = is_bf16 ? 2 : 4;
+    for (int t = 0; t < T; t++) {
+        const char *row = (const char *)qkv + (long)t * ld * esize;
+        memcpy((char *)k_layer + out_loc[t] * kv_width * esize, row + k_off * esize, (size_t)kv_width * esize);
+        memcpy((char *)v_layer + out_loc[t] * kv_width * esize, row + v_off * esize, (size_t)kv_width * esize);
+    }
+}
+
+/* h += y, rounded to the storage dtype */
+static void add_into(void *h, const void *y, long n, int is_bf16) {
+    for (long i = 0; i < n; i++) set_elem(h, i, get_elem(h, i, is_bf16) + get_elem(y, i, is_bf16), is_bf16);
+}
+
+/* act[t, i] = round(round(silu(gate)) * up), gate_up rows = [gate (I) | up (I)] */
+static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16) {
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < I; i++) {
+            const float g = get_elem(gate_up, (long)t * 2 * I + i, is_bf16);
+            const float u = get_elem(gate_up, (long)t * 2 * I + I + i, is_bf16);
+            set_elem(act, (long)t * I + i, round_to(g / (1.0f + expf(-g)), is_bf16) * u, is_bf16);
+        }
+}
+
+/* weights: {ln1, W_qkv, W_o, ln2, W_gate_up, W_down} in the storage dtype; qkv_bias float32 or
+   NULL; dims: {H, num_heads, num_kv_heads, head_dim, intermediate}. Attention metadata as in
+   paged_attention. Returns 0, or -1 for shapes it does not take. */
+int decoder_layer(void *h, const void *const *weights, const float *qkv_bias, float eps, const int *dims,
+                  const void *cos, const void *sin, void *k_layer, void *v_layer, const int64_t *out_loc,
+                  const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
+                  const int32_t *row_query, int T, int L, int Q, int dtype, int nthreads) {
+    const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4];
+    const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
+    if (H % 8 || I % 8 || q_width % 8 || hd > 512) return -1;
+    char *x = malloc((size_t)T * H * esize), *qkv = malloc((size_t)T * qkv_width * esize);
+    char *attn = malloc((size_t)T * q_width * esize), *y = malloc((size_t)T * H * esize);
+    char *gate_up = malloc((size_t)T * 2 * I * esize), *act = malloc((size_t)T * I * esize);
+    int status = 0;
+    rms_norm(h, weights[0], x, T, H, eps, is_bf16);
+    status |= skinny_linear(x, weights[1], qkv_bias, qkv, T, qkv_width, H, dtype, nthreads);
+    rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
+    write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16);
+    status |= attention_rows(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
+                             T, L, Q, nh, nkv, hd, dtype, nthreads);
+    status |= skinny_linear(attn, weights[2], NULL, y, T, H, q_width, dtype, nthreads);
+    add_into(h, y, (long)T * H, is_bf16);
+    rms_norm(h, weights[3], x, T, H, eps, is_bf16);
+    status |= skinny_linear(x, weights[4], NULL, gate_up, T, 2 * I, H, dtype, nthreads);
+    silu_mul(gate_up, act, T, I, is_bf16);
+    status |= skinny_linear(act, weights[5], NULL, y, T, H, I, dtype, nthreads);
+    add_into(h, y, (long)T * H, is_bf16);
+    free(x), free(qkv), free(attn), free(y), free(gate_up), free(act);
+    return status ? -1 : 0;
+}

@@ -1,0 +1,92 @@
+"""The native decoder layer computes what the torch layer computes, row-invariantly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import ModelConfig
+from specserve.kernels import layer as native_layer
+from specserve.models.attention import KVCache, TorchSDPABackend, build_metadata
+from specserve.models.layers import RotaryEmbedding
+from specserve.models.llama import LlamaDecoderLayer
+from specserve.models.packed_linear import pack_linears_for_cpu
+
+pytestmark = pytest.mark.skipif(not native_layer.is_available(),
+                                reason="native kernels not built here (no AVX2 or no C compiler)")
+
+CFG = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, attention_bias=True)
+PAD_SLOT = 511
+
+
+def _layer(dtype: torch.dtype) -> LlamaDecoderLayer:
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(CFG, layer_id=0)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    layer = layer.to(dtype).eval()
+    pack_linears_for_cpu(layer)
+    return layer
+
+
+def _cache(dtype: torch.dtype) -> KVCache:
+    torch.manual_seed(1)
+    cache = KVCache(1, PAD_SLOT + 1, CFG.num_key_value_heads, CFG.head_dim, dtype, "cpu")
+    cache.k[0, :PAD_SLOT] = torch.randn(PAD_SLOT, CFG.num_key_value_heads, CFG.head_dim).to(dtype)
+    cache.v[0, :PAD_SLOT] = torch.randn(PAD_SLOT, CFG.num_key_value_heads, CFG.head_dim).to(dtype)
+    return cache
+
+
+def _run(layer, h, prefix_lens, extend_lens, slot_rows, new_slots, tree_masks=None, native=True,
+         cache=None, positions=None):
+    """One decode-shaped forward of the layer (over a fresh random KV cache unless given)."""
+    dtype = h.dtype
+    cache = cache or _cache(dtype)
+    kv_indices = torch.full((len(slot_rows), 100), PAD_SLOT, dtype=torch.int64)
+    for b, slots in enumerate(slot_rows):
+        kv_indices[b, :len(slots)] = torch.tensor(slots)
+    meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor(new_slots), tree_masks,
+                          num_kv_groups=CFG.num_attention_heads // CFG.num_key_value_heads, pad_slot=PAD_SLOT)
+    if positions is None:
+        positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
+    positions = torch.tensor(positions)
+    rotary = RotaryEmbedding(CFG.head_dim, 256, CFG.rope_theta)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    with torch.inference_mode():
+        if native:
+            assert meta.row_batch is not None and layer.can_run_native(h.shape[0])
+            out = h.clone()
+            layer.forward_native(out, cos, sin, cache, meta)
+        else:
+            out = layer(h, cos, sin, cache, meta, TorchSDPABackend())
+    return out, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_layer_matches_the_torch_layer(dtype):
+    layer = _layer(dtype)
+    h = torch.randn(5, CFG.hidden_size).to(dtype)
+    args = ([30, 12], [3, 2], [list(range(100, 133)), list(range(200, 214))], [130, 131, 132, 212, 213])
+    native, native_cache = _run(layer, h, *args)
+    reference, reference_cache = _run(layer, h, *args, native=False)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(native.float(), reference.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(native_cache.k.float(), reference_cache.k.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(native_cache.v.float(), reference_cache.v.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
+    """Node 2 of the tree root -> {1, 2} (parents 0, 0) sees the prefix and the root, as the
+    plain decode of the same token at the same position does (after the root's decode)."""
+    layer = _layer(dtype)
+    h = torch.randn(3, CFG.hidden_size).to(dtype)
+    prefix = list(range(100, 140))
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    verify, _ = _run(layer, h, [40], [3], [prefix + [300, 301, 302]], [300, 301, 302], [tree],
+                     positions=[40, 41, 41])
+    plain_cache = _cache(dtype)
+    root, _ = _run(layer, h[:1], [40], [1], [prefix + [300]], [300], cache=plain_cache)
+    node2, _ = _run(layer, h[2:], [41], [1], [prefix + [300, 302]], [302], cache=plain_cache)
+    assert torch.equal(verify[:1], root)
+    assert torch.equal(verify[2:], node2)
