@@ -243,6 +243,25 @@ class SpecPolicy:
         return ((state.accepted + PRIOR_WEIGHT * self.global_rate)
                 / (state.accepted + state.rejected + PRIOR_WEIGHT))
 
+    def preferred_nodes(self, state: RequestPolicyState, cap: int, bs: int,
+                        depth_of: Callable[[int], int]) -> int:
+        """The tree size (2..cap nodes) that makes this request's step most productive:
+        its calibrated expected tokens at the depth ``depth_of(n)`` of an n-node tree, per
+        second of a step where it alone drafts. A verify's cost grows with its width (fast
+        where weights stream from memory, steep where the matmuls become compute-bound), so
+        a request that accepts a lot takes a deep tree and one that accepts little a short
+        chain. ``cap`` for requests without a history (their probes are sized elsewhere)."""
+        if self.is_always or not state.has_history or cap <= 2:
+            return cap
+        rate, calibration = self.rate(state), self.calibration
+        best_n, best = cap, 0.0
+        for n in range(2, cap + 1):
+            alpha = 1.0 + calibration * (expected_tokens(rate, depth_of(n)) - 1.0)
+            value = (bs - 1.0 + alpha) / self.cost(bs, bs + n - 1, n, 1)
+            if value > best:
+                best_n, best = n, value
+        return best_n
+
     def observe_step(self, sizes: list[int], seconds: float) -> None:
         """Wall time of a decode step whose trees had ``sizes`` nodes."""
         self.cost.observe(len(sizes), sum(sizes), max(sizes), sum(n > 1 for n in sizes), seconds)

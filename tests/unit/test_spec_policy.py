@@ -223,3 +223,18 @@ def test_no_probe_where_even_a_fully_accepted_probe_would_not_make_the_tree_pay(
     states = [RequestPolicyState(backoff=0) for _ in range(16)]
     assert all(policy.select(states, [12] * 16, [11] * 16) == [1] * 16 for _ in range(50))
     assert policy.select([RequestPolicyState(backoff=0)], [12], [11]) == [PROBE_NODES]
+
+
+def test_tree_size_follows_acceptance_where_verification_is_compute_bound():
+    """Steep cost: a request that accepts a lot takes a deeper tree than one that accepts
+    little; flat cost (memory-bound verification): both take the whole cap."""
+    steep = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    def chain_depth(num_nodes):
+        return num_nodes - 1
+
+    high = steep.preferred_nodes(_state(0.9), 12, 1, chain_depth)
+    low = steep.preferred_nodes(_state(0.3), 12, 1, chain_depth)
+    assert 2 <= low < high <= 12
+    flat = SpecPolicy(CostCurve([1, 16], [10.0, 10.0]), lambda k: 0.0, num_draft_tokens=12)
+    assert flat.preferred_nodes(_state(0.3), 12, 1, chain_depth) == 12
+    assert steep.preferred_nodes(RequestPolicyState(), 12, 1, chain_depth) == 12   # no history: the cap
