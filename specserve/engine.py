@@ -130,7 +130,7 @@ class LLMEngine:
             specs.append(ExtendSpec(row=row, prefix_len=start,
                                     token_ids=req.all_ids[start:start + item.num_new_tokens],
                                     new_slots=item.new_slots, num_logits=1 if reaches_end else 0))
-        logits = self.runner.forward(specs)
+        logits = self.runner.forward(specs, is_prefill=True)
         sampled = [item.req for item, spec in zip(batch.items, specs) if spec.num_logits]
         for item in batch.items:
             self.scheduler.commit(item.req, item.new_slots)

@@ -16,8 +16,10 @@ def is_available() -> bool:
 
 
 def can_run(q: torch.Tensor, k_layer: torch.Tensor) -> bool:
+    """CPU, float32/bfloat16, and no gradient needed through it (training runs torch's path)."""
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k_layer.requires_grad)
     return (q.device.type == "cpu" and q.dtype == k_layer.dtype and q.dtype in DTYPE_CODES
-            and q.shape[-1] % 8 == 0 and is_available())
+            and q.shape[-1] % 8 == 0 and not needs_grad and is_available())
 
 
 def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, kv_indices: torch.Tensor,

@@ -16,9 +16,10 @@ run ``row_invariant_attention`` over a key axis padded to a multiple of
 ``KEY_BLOCK``: its result for a query row does not depend on the other rows, on
 padding or on masked tree branches, which makes greedy speculative decoding
 bit-identical to plain decoding, in bfloat16 too. On CPUs where the native kernel
-builds (``specserve/kernels/paged_attention.c``), those forwards run it instead: the
-same per-row guarantee, with K/V read from the cache by slot (no gathers) and no
-padding work, so decode rows and trees need not be split into groups.
+builds (``specserve/kernels/paged_attention.c``), every forward runs it instead, prefill
+included: the same per-row guarantee (so a prompt's KV does not depend on the prompts
+prefilled beside it), with K/V read from the cache by slot (no gathers) and no padding
+work, so decode rows and trees need not be split into groups.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class AttentionMetadata:
     max_query_len: int
     row_invariant: bool = False          # keys padded to KEY_BLOCK: use row_invariant_attention
     parts: list[tuple[torch.Tensor, "AttentionMetadata"]] | None = None   # (rows of [T], metadata) groups
-    # for the native row-invariant kernel (set with row_invariant on CPU where it builds):
+    # for the native row-invariant kernel (set on CPU where it builds):
     query_mask: torch.Tensor | None = None    # [B, Q, L] bool, the mask before the GQA repeat
     row_batch: torch.Tensor | None = None     # [T] int32: each new token's request
     row_query: torch.Tensor | None = None     # [T] int32: its query index within the request
@@ -82,7 +83,7 @@ def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: t
     total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     max_len = max(total_lens)
     row_invariant = pad_slot is not None and max_q <= ROW_INVARIANT_MAX_QUERY
-    uses_kernel = row_invariant and device.type == "cpu" and attention_kernel.is_available()
+    uses_kernel = device.type == "cpu" and attention_kernel.is_available()   # every forward, prefill too
     if row_invariant and not uses_kernel and max_q > 1 and min(extend_lens) == 1:
         return _split_metadata(prefix_lens, extend_lens, kv_indices, out_cache_loc, tree_masks,
                                num_kv_groups, pad_slot)
@@ -95,7 +96,7 @@ def build_metadata(prefix_lens: list[int], extend_lens: list[int], kv_indices: t
     if not is_dense:
         query_index, output_index = _padding_indices(extend_lens, max_q, device)
     has_tree = tree_masks is not None and any(m is not None for m in tree_masks)
-    needs_mask = row_invariant or has_tree or max_q > 1 or len(set(total_lens)) > 1
+    needs_mask = uses_kernel or row_invariant or has_tree or max_q > 1 or len(set(total_lens)) > 1
     mask = query_mask = None
     if needs_mask:
         mask = _causal_mask(prefix_lens, extend_lens, max_q, max_len, device)

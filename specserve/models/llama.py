@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)                              # [T, H]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
         aux: list[torch.Tensor] = []
-        is_native = meta.row_batch is not None      # decode-shaped, native kernels built
+        is_native = meta.row_invariant and meta.row_batch is not None   # decode-shaped, kernels built
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
                 aux.append(h.clone() if is_native else h)

@@ -75,8 +75,13 @@ class ModelRunner:
                                                                             device=self.device)
 
     @torch.inference_mode()
-    def forward(self, specs: list[ExtendSpec], features: str | None = None):
+    def forward(self, specs: list[ExtendSpec], features: str | None = None, *, is_prefill: bool = False):
         """One forward over every spec. Returns logits [sum(num_logits), V].
+
+        ``is_prefill``: prompt tokens (the engine's prefill), which always take the general
+        path; other forwards of at most 64 new tokens a request take the row-invariant one
+        (decode and verification), so a prompt's KV does not depend on whether it was
+        prefilled alone or beside longer prompts.
 
         ``features`` also returns the target features of every new token (all rows,
         in spec order), as the EAGLE-family drafts consume them:
@@ -87,7 +92,7 @@ class ModelRunner:
         features in ``last_features`` (an EAGLE drafter reads them after prefill
         and verification).
         """
-        input_ids, positions, meta, logit_rows = self.prepare(specs)
+        input_ids, positions, meta, logit_rows = self.prepare(specs, is_prefill)
         out = self.model(input_ids, positions, self.kv_cache, meta)
         hidden, aux = out if isinstance(out, tuple) else (out, [])
         selected = hidden if logit_rows is None else hidden.index_select(0, logit_rows)
@@ -100,7 +105,7 @@ class ModelRunner:
             return logits, self.last_features
         return logits, _features(features, hidden, aux)
 
-    def prepare(self, specs: list[ExtendSpec]):
+    def prepare(self, specs: list[ExtendSpec], is_prefill: bool = False):
         """Write the specs' slots into their rows; flat inputs, attention metadata and logit rows."""
         input_ids, positions, out_loc, logit_rows = self._flatten(specs)
         for spec in specs:
@@ -108,7 +113,8 @@ class ModelRunner:
         rows = torch.tensor([s.row for s in specs], device=self.device)
         meta = build_metadata([s.prefix_len for s in specs], [len(s.token_ids) for s in specs],
                               self.req_to_token.index_select(0, rows), out_loc,
-                              [s.tree_mask for s in specs], self.num_kv_groups, pad_slot=self.dummy_slot)
+                              [s.tree_mask for s in specs], self.num_kv_groups,
+                              pad_slot=None if is_prefill else self.dummy_slot)
         return input_ids, positions, meta, logit_rows
 
     def _flatten(self, specs: list[ExtendSpec]):

@@ -2,9 +2,10 @@
 
 bfloat16 logits tie and round coarsely, so a last-bit difference between a token computed
 by a decode step and the same token computed as a row of a verification forward flips
-greedy choices. Decode-shaped attention is row-invariant for that reason
-(``models/row_invariant_attention.py``); the linears are (oneDNN, per row). These cases
-hold the whole engine to it, with draft trees, chains and concurrent requests.
+greedy choices. Attention and linears are row-invariant for that reason (the native
+kernels in ``specserve/kernels``; without them ``models/row_invariant_attention.py`` and
+oneDNN per row). These cases hold the whole engine to it, with draft trees, chains and
+concurrent requests.
 """
 from __future__ import annotations
 
@@ -69,5 +70,15 @@ def test_bf16_greedy_lossless_eight_concurrent(engines, prompt_ids, plain_output
     engine = _engine(engines, name)
     params = [{"temperature": 0, "max_new_tokens": NEW_TOKENS} for _ in prompt_ids]
     outs = engine.generate(input_ids=prompt_ids, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == plain_outputs
+    _assert_no_kv_leak(engine)
+
+
+def test_bf16_plain_batched_equals_one_at_a_time(engines, prompt_ids, plain_outputs):
+    """Eight prompts of different lengths prefilled and decoded together give the texts each
+    gives alone: prefill attention and decode rows do not depend on the batch."""
+    engine = engines["plain"]
+    outs = engine.generate(input_ids=prompt_ids, sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS})
+    assert len({len(ids) for ids in prompt_ids}) > 1
     assert [o["output_ids"] for o in outs] == plain_outputs
     _assert_no_kv_leak(engine)
