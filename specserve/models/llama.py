@@ -76,7 +76,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_native(self, h: torch.Tensor, cos, sin, cache, meta) -> None:
         """The layer in one native call, for decode-shaped forwards (``meta.row_batch`` set);
-        updates ``h`` in place."""
+        updates ``h`` in place. The weights' addresses are taken on the first call: the
+        weights must not be replaced afterwards (serving never does)."""
         attn = self.self_attn
         if self._native is None:
             self._native = native_layer.layer_weights(

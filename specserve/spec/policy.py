@@ -27,6 +27,10 @@ decoding requests:
   throughput is ``(bs + sum(alpha_r - 1)) / step_cost(prefix)``; the best
   prefix wins if it beats plain decoding (``bs / step_cost(none)``) by MARGIN,
   else nobody speculates;
+* before proposing, each request with a history gets the tree size (2..N nodes) that
+  maximizes its calibrated expected tokens per second of step time on the cost curve
+  (``preferred_nodes``): deep trees for requests that accept a lot, short chains for
+  those that accept little (where verification is compute-bound, wide trees cost);
 * a request left out for ``backoff_r`` steps may be probed (one per step) with a
   small tree (at most PROBE_NODES nodes) so its ``p_r`` cannot go stale; its
   backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if the
