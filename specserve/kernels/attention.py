@@ -12,7 +12,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def is_available() -> bool:
-    return _library() is not None
+    return _function() is not None
 
 
 def can_run(q: torch.Tensor, k_layer: torch.Tensor) -> bool:
@@ -31,7 +31,7 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     num_rows, num_heads, head_dim = q.shape
     out = q.new_empty(num_rows, num_heads * head_dim)
     batch, num_queries, num_keys = query_mask.shape
-    status = _library().paged_attention(
+    status = _function()(
         q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), kv_indices.data_ptr(),
         query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), num_rows, num_keys, num_queries,
         num_heads, k_layer.shape[1], head_dim, DTYPE_CODES[q.dtype], torch.get_num_threads())
@@ -42,9 +42,5 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = build.load()
-    if lib is not None:
-        lib.paged_attention.restype = ctypes.c_int
-        lib.paged_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8
-    return lib
+def _function():
+    return build.function("paged_attention", [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8)

@@ -17,6 +17,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -43,6 +44,16 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("the CPU kernels could not be built or loaded (%s); using torch's kernels", exc)
         return None
+
+
+def function(name: str, argtypes: list) -> Callable[..., int] | None:
+    """The library's C function ``name`` (returning int) with these argument types, or None."""
+    lib = load()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return fn
 
 
 def _cpu_supports_avx2() -> bool:

@@ -26,7 +26,7 @@ class LayerWeights:
 
 
 def is_available() -> bool:
-    return _library() is not None
+    return _function() is not None
 
 
 def layer_weights(ln1: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, ln2: torch.Tensor,
@@ -48,7 +48,7 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
     metadata as in ``attention.paged_attention``."""
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
-    status = _library().decoder_layer(
+    status = _function()(
         h.data_ptr(), ctypes.addressof(weights.pointers),
         None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
         ctypes.addressof(weights.dims), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
@@ -60,11 +60,6 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = build.load()
-    if lib is not None:
-        fn = lib.decoder_layer
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-                       + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 5)
-    return lib
+def _function():
+    return build.function("decoder_layer", [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 10
+                          + [ctypes.c_int] * 5)

@@ -17,7 +17,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def is_available() -> bool:
-    return _library() is not None
+    return _function() is not None
 
 
 def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -35,7 +35,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | 
     out = torch.empty(*x.shape[:-1], num_out, dtype=x.dtype)
     if num_rows == 0:
         return out
-    status = _library().skinny_linear(
+    status = _function()(
         x.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
         num_rows, num_out, num_in, DTYPE_CODES[x.dtype], torch.get_num_threads())
     if status != 0:
@@ -44,9 +44,5 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | 
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = build.load()
-    if lib is not None:
-        lib.skinny_linear.restype = ctypes.c_int
-        lib.skinny_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
-    return lib
+def _function():
+    return build.function("skinny_linear", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5)
