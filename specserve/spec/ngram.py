@@ -1,8 +1,11 @@
 """NGRAM proposer: drafts continuations of the context's tail from one n-gram cache
 shared by every request (prompts and generated tokens feed it).
 
-* prefill: once a request's prompt is fully computed, the prompt is fed;
-* each step: tokens the request gained since the last feed are fed, then the
+* a request's prompt is fed on its first proposal, not at prefill: on a busy server,
+  where the policy lets nobody speculate and only a probe proposes now and then, the
+  requests that never propose cost the cache nothing (what they would have fed is read
+  from the request whenever it does propose);
+* each proposal: tokens the request gained since the last feed are fed, then the
   tail (``--speculative-ngram-max-match-window-size`` tokens) is matched;
   BFS or PROB trees (``--speculative-ngram-match-type``) of <= N nodes;
 * after verification: the emitted tokens are fed right away, so other requests
@@ -30,11 +33,6 @@ class NgramProposer(Proposer):
         self.cache = NgramCache.from_server_args(ctx.server_args)
         self.window = ctx.server_args.speculative_ngram_max_match_window_size
         self.seconds_per_request = 0.0
-
-    def on_prefill(self, engine, items: list) -> None:
-        for item in items:
-            if not item.req.is_prefilling:
-                self._feed(item.req)
 
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
         t0 = time.perf_counter()
