@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def cache_root() -> Path:
+    """Where specserve keeps what it fetches or builds: ``$SPECSERVE_CACHE`` or ``~/.cache/specserve``."""
+    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
 
 
 class ConfigError(ValueError):

@@ -1,1 +1,1 @@
-"""Native CPU kernels built on first use (see skinny.py). Nothing here imports specserve."""
+"""Native CPU kernels built on first use (see build.py). Nothing here imports specserve beyond config."""

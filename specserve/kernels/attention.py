@@ -7,8 +7,7 @@ import functools
 import torch
 
 from specserve.kernels import build
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from specserve.kernels.build import DTYPE_CODES
 
 
 def is_available() -> bool:

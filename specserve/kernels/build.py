@@ -21,18 +21,20 @@ from typing import Callable
 
 import torch
 
+from specserve.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve"
-    return Path(root) / "kernels"
-
-
 SOURCE_DIR = Path(__file__).parent
 LIBRARY = "cpu_kernels"
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}    # common.h: DTYPE_F32, DTYPE_BF16
+
+
+def cache_dir() -> Path:
+    return cache_root() / "kernels"
 
 
 @functools.cache

@@ -16,11 +16,12 @@
 
 /* out[t] = round(w * round(h[t] / rms(h[t]))), HF's RMSNorm arithmetic */
 static void rms_norm(const void *h, const void *w, void *out, int T, int H, float eps, int is_bf16) {
+    const int esize = is_bf16 ? 2 : 4;
     for (int t = 0; t < T; t++) {
         const long row = (long)t * H;
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < H; i += 8) {
-            __m256 v = load8((const char *)h + row * (is_bf16 ? 2 : 4) + i * (is_bf16 ? 2 : 4), is_bf16);
+            __m256 v = load8((const char *)h + (row + i) * esize, is_bf16);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
         const float scale = 1.0f / sqrtf(hsum8(acc) / H + eps);

@@ -98,7 +98,7 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
                    int dtype, int nthreads) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
-    const int is_bf16 = dtype == 1, esize = is_bf16 ? 2 : 4;
+    const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const long slot_stride = (long)num_kv_heads * head_dim * esize;
     const float scale = 1.0f / sqrtf((float)head_dim);
     #pragma omp parallel num_threads(nthreads)

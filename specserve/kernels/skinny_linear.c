@@ -72,7 +72,7 @@ static void weight_block(const float *xf, const void *w, int M, int K, int is_bf
 int skinny_linear(const void *x, const void *w, const float *bias, void *y,
                   int M, int N, int K, int dtype, int nthreads) {
     if (K % 8 || M < 1 || N < 1) return -1;
-    const int is_bf16 = dtype == 1;
+    const int is_bf16 = dtype == DTYPE_BF16;
     const long esize = is_bf16 ? 2 : 4;
     float *xf = (float *)x;
     if (is_bf16) {

