@@ -6,7 +6,7 @@
        x = RMSNorm(h) * w_ln2
        h += (silu(x @ W_gate^T) * (x @ W_up^T)) @ W_down^T
 
-   The linears are skinny_linear, the attention paged_attention; every other step is per
+   The linears are the skinny kernel's (dense or coded weights), the attention paged_attention; every other step is per
    row in a fixed order, so the layer keeps their row invariance. Values are rounded to the
    storage dtype where the torch layer (models/llama.py) stores them, so both paths compute
    the same function (the bits may differ in the last place). What it replaces is ~40 torch
@@ -76,10 +76,11 @@ static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16) 
         }
 }
 
-/* weights: {ln1, W_qkv, W_o, ln2, W_gate_up, W_down} in the storage dtype; qkv_bias float32 or
+/* norms: {ln1, ln2} in the storage dtype; linears: {qkv, o, gate_up, down}; qkv_bias float32 or
    NULL; dims: {H, num_heads, num_kv_heads, head_dim, intermediate}. Attention metadata as in
    paged_attention. Returns 0, or -1 for shapes it does not take. */
-int decoder_layer(void *h, const void *const *weights, const float *qkv_bias, float eps, const int *dims,
+int decoder_layer(void *h, const void *const *norms, const linear_weights *linears, const float *qkv_bias,
+                  float eps, const int *dims,
                   const void *cos, const void *sin, void *k_layer, void *v_layer, const int64_t *out_loc,
                   const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
                   const int32_t *row_query, int T, int L, int Q, int dtype, int nthreads) {
@@ -91,18 +92,18 @@ int decoder_layer(void *h, const void *const *weights, const float *qkv_bias, fl
     char *attn = malloc((size_t)T * q_width * esize), *y = malloc((size_t)T * H * esize);
     char *gate_up = malloc((size_t)T * 2 * I * esize), *act = malloc((size_t)T * I * esize);
     int status = 0;
-    rms_norm(h, weights[0], x, T, H, eps, is_bf16);
-    status |= skinny_linear(x, weights[1], qkv_bias, qkv, T, qkv_width, H, dtype, nthreads);
+    rms_norm(h, norms[0], x, T, H, eps, is_bf16);
+    status |= linear_forward(&linears[0], x, qkv_bias, qkv, T, qkv_width, H, dtype, nthreads);
     rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
     write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16);
     status |= attention_rows(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
                              T, L, Q, nh, nkv, hd, dtype, nthreads);
-    status |= skinny_linear(attn, weights[2], NULL, y, T, H, q_width, dtype, nthreads);
+    status |= linear_forward(&linears[1], attn, NULL, y, T, H, q_width, dtype, nthreads);
     add_into(h, y, (long)T * H, is_bf16);
-    rms_norm(h, weights[3], x, T, H, eps, is_bf16);
-    status |= skinny_linear(x, weights[4], NULL, gate_up, T, 2 * I, H, dtype, nthreads);
+    rms_norm(h, norms[1], x, T, H, eps, is_bf16);
+    status |= linear_forward(&linears[2], x, NULL, gate_up, T, 2 * I, H, dtype, nthreads);
     silu_mul(gate_up, act, T, I, is_bf16);
-    status |= skinny_linear(act, weights[5], NULL, y, T, H, I, dtype, nthreads);
+    status |= linear_forward(&linears[3], act, NULL, y, T, H, I, dtype, nthreads);
     add_into(h, y, (long)T * H, is_bf16);
     free(x), free(qkv), free(attn), free(y), free(gate_up), free(act);
     return status ? -1 : 0;

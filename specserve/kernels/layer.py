@@ -1,7 +1,8 @@
 """One Llama decoder layer in one native call, for decode-shaped forwards (``decoder_layer.c``).
 
 ``LayerWeights`` holds a layer's weight pointers (built once per layer: weights do not move
-while serving); ``decoder_layer`` updates the residual stream ``h`` in place.
+while serving); ``decoder_layer`` updates the residual stream ``h`` in place. The linears come
+as ``skinny.LinearWeights`` (dense weights, maybe code blocks too).
 """
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import torch
 
 from specserve.kernels import build
 from specserve.kernels.build import DTYPE_CODES
+from specserve.kernels.skinny import LinearWeights
 
 
 @dataclass
 class LayerWeights:
     tensors: tuple[torch.Tensor, ...]       # kept alive: the pointers below point into them
-    pointers: ctypes.Array
+    norms: ctypes.Array                     # ln1, ln2
+    linears: ctypes.Array                   # qkv, o, gate_up, down (their tensors: the caller's)
     qkv_bias: torch.Tensor | None           # float32
     dims: ctypes.Array                      # hidden, heads, kv heads, head dim, intermediate
     eps: float
@@ -28,14 +31,15 @@ def is_available() -> bool:
     return _function() is not None
 
 
-def layer_weights(ln1: torch.Tensor, w_qkv: torch.Tensor, w_o: torch.Tensor, ln2: torch.Tensor,
-                  w_gate_up: torch.Tensor, w_down: torch.Tensor, qkv_bias: torch.Tensor | None,
+def layer_weights(ln1: torch.Tensor, ln2: torch.Tensor, linears: tuple[LinearWeights, ...],
+                  qkv_bias: torch.Tensor | None, hidden_size: int, intermediate_size: int,
                   num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> LayerWeights:
-    tensors = tuple(t.detach().contiguous() for t in (ln1, w_qkv, w_o, ln2, w_gate_up, w_down))
-    pointers = (ctypes.c_void_p * 6)(*(t.data_ptr() for t in tensors))
-    dims = (ctypes.c_int * 5)(w_qkv.shape[1], num_heads, num_kv_heads, head_dim, w_down.shape[1])
+    """``linears``: qkv, o, gate_up and down, whose tensors must outlive the result."""
+    tensors = tuple(t.detach().contiguous() for t in (ln1, ln2))
+    norms = (ctypes.c_void_p * 2)(*(t.data_ptr() for t in tensors))
+    dims = (ctypes.c_int * 5)(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size)
     bias = None if qkv_bias is None else qkv_bias.detach().float().contiguous()
-    return LayerWeights(tensors, pointers, bias, dims, eps)
+    return LayerWeights(tensors, norms, (LinearWeights * 4)(*linears), bias, dims, eps)
 
 
 def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
@@ -48,7 +52,7 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
     status = _function()(
-        h.data_ptr(), ctypes.addressof(weights.pointers),
+        h.data_ptr(), ctypes.addressof(weights.norms), ctypes.addressof(weights.linears),
         None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
         ctypes.addressof(weights.dims), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
         k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
@@ -60,5 +64,5 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
 
 @functools.cache
 def _function():
-    return build.function("decoder_layer", [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 10
+    return build.function("decoder_layer", [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 10
                           + [ctypes.c_int] * 5)

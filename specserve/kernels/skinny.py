@@ -2,7 +2,9 @@
 
 ``skinny_linear(x, weight, bias)`` computes ``F.linear`` for float32 or bfloat16 CPU tensors
 with few rows: the weights stream from memory once per call for every row, and each row's
-result is bit-for-bit independent of the other rows (see the C file).
+result is bit-for-bit independent of the other rows (see the C file). ``linear_forward``
+takes a ``LinearWeights``: the dense weight and, optionally, the same weights as code
+blocks (``coded.py``), which it streams instead for inputs of up to ``coded_max_rows`` rows.
 """
 from __future__ import annotations
 
@@ -13,6 +15,20 @@ import torch
 
 from specserve.kernels import build
 from specserve.kernels.build import DTYPE_CODES
+
+
+class LinearWeights(ctypes.Structure):
+    """skinny_linear.c's ``linear_weights``; the tensors it points into must outlive it."""
+
+    _fields_ = [("dense", ctypes.c_void_p), ("coded", ctypes.c_void_p),
+                ("coded_format", ctypes.c_int32), ("coded_max_rows", ctypes.c_int32)]
+
+
+def linear_weights(dense: torch.Tensor, records: torch.Tensor | None = None, coded_format: int = 0,
+                   coded_max_rows: int = 0) -> LinearWeights:
+    """``dense`` [N, K] contiguous; ``records``: the code blocks (``BlockCodes.records``)."""
+    coded = None if records is None else records.data_ptr()
+    return LinearWeights(dense.data_ptr(), coded, coded_format if coded else 0, coded_max_rows if coded else 0)
 
 
 def is_available() -> bool:
@@ -28,20 +44,26 @@ def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of shape [..., K] and a contiguous ``weight``
     [N, K] of x's dtype; ``bias32`` is the bias in float32 (or None)."""
+    return linear_forward(x, linear_weights(weight), weight.shape, bias32)
+
+
+def linear_forward(x: torch.Tensor, weights: LinearWeights, shape: tuple[int, int],
+                   bias32: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over the weights ``weights`` describes, of ``shape`` [N, K], in x's dtype."""
     x = x.contiguous()
-    num_out, num_in = weight.shape
+    num_out, num_in = shape
     num_rows = x.numel() // num_in
     out = torch.empty(*x.shape[:-1], num_out, dtype=x.dtype)
     if num_rows == 0:
         return out
     status = _function()(
-        x.data_ptr(), weight.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
+        ctypes.byref(weights), x.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
         num_rows, num_out, num_in, DTYPE_CODES[x.dtype], torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"skinny_linear rejected shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        raise RuntimeError(f"skinny linear rejected x {tuple(x.shape)} for weights of shape {tuple(shape)}")
     return out
 
 
 @functools.cache
 def _function():
-    return build.function("skinny_linear", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5)
+    return build.function("linear_forward", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5)

@@ -6,12 +6,25 @@
    Row invariance: every output is one chain of FMAs over k (8 lanes) and the same horizontal
    sum, whatever M, the row grouping or the thread count, so a row's bits never depend on the
    other rows of the call (greedy speculative output == plain decoding, batched == alone).
+   Weights may also come as code blocks (coded_linear.c): the same values, fewer bytes.
    Built by build.py (cpu_kernels.c), called from skinny.py and decoder_layer.c. */
 #include "common.h"
 
 #define NB 4           /* weight rows per block */
 #define MB 3           /* input rows per block */
 #define PF_BLOCKS 4    /* prefetch distance, in weight blocks */
+
+#include "coded_linear.c"
+
+/* A linear's weights: dense [N, K] in the storage dtype and, optionally, the same values as
+   code blocks (coded_format: coded_linear.c's formats), used for inputs of up to
+   coded_max_rows rows. */
+typedef struct {
+    const void *dense;
+    const uint8_t *coded;
+    int32_t coded_format;
+    int32_t coded_max_rows;
+} linear_weights;
 
 /* NB weight rows (stride K, element type T, loader LOAD) x R input rows (fp32, stride K).
    pf: the same region of a later block to prefetch (NULL: none); pf_step: k per cache line. */
@@ -52,28 +65,31 @@ static void bf16_rows(const float *x, const uint16_t *w, int K, const uint16_t *
     else bf16_1(x, w, K, pf, 32, out);
 }
 
-/* one block of NB weight rows against all M input rows, into res[M][NB] */
-static void weight_block(const float *xf, const void *w, int M, int K, int is_bf16,
+/* one block of NB weight rows (row_bytes apart; format: CODED_NONE for dense) against all M
+   input rows, into res[M][NB] */
+static void weight_block(const float *xf, const void *w, long row_bytes, int format, int M, int K, int is_bf16,
                          const void *pf, float *res) {
     float out[NB][MB];
     const int num_mblocks = (M + MB - 1) / MB;
     for (int m = 0, blk = 0; m < M; blk++) {
         const int r = (M - m) / (num_mblocks - blk) + ((M - m) % (num_mblocks - blk) != 0);
         const float *xm = xf + (long)m * K;
-        if (is_bf16) bf16_rows(xm, (const uint16_t *)w, K, m == 0 ? pf : NULL, r, out);
-        else f32_rows(xm, (const float *)w, K, m == 0 ? pf : NULL, r, out);
+        const void *pf_m = m == 0 ? pf : NULL;
+        if (format) coded_rows(xm, (const uint8_t *)w, row_bytes, K, (const uint8_t *)pf_m, r, format, is_bf16, out);
+        else if (is_bf16) bf16_rows(xm, (const uint16_t *)w, K, (const uint16_t *)pf_m, r, out);
+        else f32_rows(xm, (const float *)w, K, (const float *)pf_m, r, out);
         for (int j = 0; j < r; j++)
             for (int i = 0; i < NB; i++) res[(long)(m + j) * NB + i] = out[i][j];
         m += r;
     }
 }
 
-/* dtype: 0 float32, 1 bfloat16 (x, w and y share it). bias: fp32 or NULL. K % 8 == 0. */
-int skinny_linear(const void *x, const void *w, const float *bias, void *y,
-                  int M, int N, int K, int dtype, int nthreads) {
-    if (K % 8 || M < 1 || N < 1) return -1;
+/* y = x @ w^T (+ bias) over weights w in format (CODED_NONE: dense in the dtype) */
+static int run_linear(const void *x, const void *w, int format, const float *bias, void *y,
+                      int M, int N, int K, int dtype, int nthreads) {
     const int is_bf16 = dtype == DTYPE_BF16;
-    const long esize = is_bf16 ? 2 : 4;
+    if (K % 8 || M < 1 || N < 1 || (format && (K % CODE_BLOCK || !coded_supports(format, is_bf16)))) return -1;
+    const long row_bytes = format ? coded_row_bytes(K, format) : (long)K * (is_bf16 ? 2 : 4);
     float *xf = (float *)x;
     if (is_bf16) {
         xf = (float *)malloc((size_t)M * K * 4);
@@ -82,19 +98,19 @@ int skinny_linear(const void *x, const void *w, const float *bias, void *y,
     const int nblocks = (N + NB - 1) / NB;
     #pragma omp parallel num_threads(nthreads)
     {
-        void *tail = malloc((size_t)NB * K * esize);
+        void *tail = malloc((size_t)NB * row_bytes);
         float *res = (float *)malloc((size_t)M * NB * 4);
         #pragma omp for schedule(static)
         for (int b = 0; b < nblocks; b++) {
             const int n = b * NB, nb = N - n < NB ? N - n : NB;
-            const char *wb = (const char *)w + (long)n * K * esize;
-            const char *pf = b + PF_BLOCKS < nblocks ? wb + (long)PF_BLOCKS * NB * K * esize : NULL;
+            const char *wb = (const char *)w + (long)n * row_bytes;
+            const char *pf = b + PF_BLOCKS < nblocks ? wb + (long)PF_BLOCKS * NB * row_bytes : NULL;
             if (nb < NB) {                    /* last partial block: pad with zero rows */
-                memset(tail, 0, (size_t)NB * K * esize);
-                memcpy(tail, wb, (size_t)nb * K * esize);
+                memset(tail, 0, (size_t)NB * row_bytes);
+                memcpy(tail, wb, (size_t)nb * row_bytes);
                 wb = (const char *)tail;
             }
-            weight_block(xf, wb, M, K, is_bf16, pf, res);
+            weight_block(xf, wb, row_bytes, format, M, K, is_bf16, pf, res);
             for (int m = 0; m < M; m++)
                 for (int i = 0; i < nb; i++) {
                     float v = res[(long)m * NB + i] + (bias ? bias[n + i] : 0.f);
@@ -107,4 +123,18 @@ int skinny_linear(const void *x, const void *w, const float *bias, void *y,
     }
     if (is_bf16) free(xf);
     return 0;
+}
+
+/* dtype: 0 float32, 1 bfloat16 (x, w and y share it). bias: fp32 or NULL. K % 8 == 0. */
+int skinny_linear(const void *x, const void *w, const float *bias, void *y,
+                  int M, int N, int K, int dtype, int nthreads) {
+    return run_linear(x, w, CODED_NONE, bias, y, M, N, K, dtype, nthreads);
+}
+
+/* the coded weights for up to coded_max_rows rows, else the dense ones (the same bits) */
+int linear_forward(const linear_weights *lw, const void *x, const float *bias, void *y,
+                   int M, int N, int K, int dtype, int nthreads) {
+    if (lw->coded && lw->coded_format && M <= lw->coded_max_rows)
+        return run_linear(x, lw->coded, lw->coded_format, bias, y, M, N, K, dtype, nthreads);
+    return run_linear(x, lw->dense, CODED_NONE, bias, y, M, N, K, dtype, nthreads);
 }

@@ -1,6 +1,8 @@
 """Read a GGUF checkpoint as float32 tensors under HF Llama names.
 
-Quantized tensors are dequantized with ``gguf.quants.dequantize``. llama.cpp's converter permutes
+Quantized tensors are dequantized with ``gguf.quants.dequantize``. Q4_0 / Q4_1 / Q8_0 tensors also
+carry their blocks as ``tensor.block_codes`` (``kernels.coded.BlockCodes``: the same values, which
+the CPU kernels can stream in ~6 bits a weight; see ``models/packed_linear``). llama.cpp's converter permutes
 the rows of the Q and K projections of llama-arch models (its rope pairs adjacent dimensions, HF's
 ``rotate_half`` pairs the two halves of each head); we undo that so the weights match HF.
 """
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from specserve.config import ModelConfig
+from specserve.kernels.coded import CODE_BLOCK, BlockCodes
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
@@ -82,8 +85,12 @@ def _iter_tensors(reader, config: ModelConfig) -> WeightIterator:
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         weight = dequantize_tensor(tensor)
+        codes = block_codes(tensor)
         if arch in _PERMUTED_QK_ARCHS:
             weight = _unpermute_qk(name, weight, config)
+            codes = codes and codes.map_rows(lambda rows: _unpermute_qk(name, rows, config))
+        if codes is not None:
+            weight.block_codes = codes
         yield name, weight
 
 
@@ -95,6 +102,27 @@ def dequantize_tensor(tensor) -> torch.Tensor:
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
     array = np.array(values, dtype=np.float32, copy=True).reshape(shape)
     return torch.from_numpy(array)
+
+
+def block_codes(tensor) -> BlockCodes | None:
+    """A Q4_0 / Q4_1 / Q8_0 matrix's blocks as ``BlockCodes`` (values ``scale * code + min``,
+    exactly what ``dequantize_tensor`` computes); None for other tensors."""
+    from gguf import GGMLQuantizationType as Q
+
+    kind = tensor.tensor_type
+    if kind not in (Q.Q4_0, Q.Q4_1, Q.Q8_0) or len(tensor.shape) != 2:
+        return None
+    num_rows, num_in = (int(dim) for dim in reversed(tensor.shape))
+    blocks = np.asarray(tensor.data).reshape(num_rows * num_in // CODE_BLOCK, -1)
+    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    if kind == Q.Q8_0:
+        codes, mins, bits = blocks[:, 2:].copy().view(np.int8), np.zeros_like(scales), 8
+    else:                     # byte j holds weights j (low nibble) and j + 16 (high nibble)
+        packed = blocks[:, 4:] if kind == Q.Q4_1 else blocks[:, 2:]
+        codes, bits = np.concatenate([packed & 15, packed >> 4], axis=1), 4
+        mins = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if kind == Q.Q4_1 else -8 * scales
+    as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(num_rows, -1))  # noqa: E731
+    return BlockCodes(as_rows(codes), as_rows(scales), as_rows(mins), bits)
 
 
 def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -80,10 +80,13 @@ class LlamaDecoderLayer(nn.Module):
         weights must not be replaced afterwards (serving never does)."""
         attn = self.self_attn
         if self._native is None:
+            mlp = self.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self._native = native_layer.layer_weights(
-                self.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
-                attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm.eps)
+                self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                tuple(linear.skinny_weights() for linear in linears), attn.qkv_proj.bias,
+                attn.qkv_proj.in_features, mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads,
+                attn.head_dim, self.input_layernorm.eps)
         native_layer.decoder_layer(h, self._native, cos, sin, cache.k[attn.layer_id], cache.v[attn.layer_id],
                                    meta.out_cache_loc, meta.kv_indices, meta.query_mask, meta.row_batch,
                                    meta.row_query)

@@ -1,11 +1,17 @@
 """Strict weight loading onto a module: every checkpoint tensor placed, every
-parameter filled, every shape checked; errors name the tensor."""
+parameter filled, every shape checked; errors name the tensor.
+
+A checkpoint tensor may carry ``block_codes`` (``kernels.coded.BlockCodes``, from a quantized
+GGUF): when every row of a parameter came with codes, the parameter gets them as its own
+``block_codes`` attribute (fused parameters: the parts' codes stacked in row order)."""
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
 from torch import nn
+
+from specserve.kernels.coded import BlockCodes
 
 
 class WeightLoadError(ValueError):
@@ -19,6 +25,7 @@ class StrictLoader:
         self.fused: list[tuple[str, str, int, int]] = []   # (src infix, dst infix, row0, rows)
         self.ignored_names: set[str] = set()
         self.ignored_suffixes: list[str] = []
+        self.codes: dict[str, list[tuple[int, BlockCodes]]] = {}   # param -> (row0, codes) parts
 
     def add_fused(self, src: str, dst: str, row0: int, num_rows: int) -> None:
         self.fused.append((f".{src}.", f".{dst}.", row0, num_rows))
@@ -35,6 +42,7 @@ class StrictLoader:
                 continue
             self._place(name, tensor)
         self._check_complete()
+        self._attach_codes()
 
     def _place(self, name: str, tensor: torch.Tensor) -> None:
         target, row0, num_rows = self._target(name)
@@ -45,6 +53,9 @@ class StrictLoader:
                                   f"expected {tuple(dest.shape)} (for parameter {target!r})")
         dest.copy_(tensor.to(dest.dtype))
         self.rows_loaded[target] += dest.shape[0] if dest.dim() else 1
+        codes = getattr(tensor, "block_codes", None)
+        if codes is not None and dest.dim() == 2:
+            self.codes.setdefault(target, []).append((row0, codes))
 
     def _target(self, name: str) -> tuple[str, int, int | None]:
         if name in self.params:
@@ -62,3 +73,12 @@ class StrictLoader:
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise WeightLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+    def _attach_codes(self) -> None:
+        for name, parts in self.codes.items():
+            param = self.params[name]
+            parts.sort(key=lambda part: part[0])
+            rows = sum(codes.shape[0] for _, codes in parts)
+            codes = BlockCodes.cat([codes for _, codes in parts]) if rows == param.shape[0] else None
+            if codes is not None and codes.shape == tuple(param.shape):
+                param.block_codes = codes

@@ -1,0 +1,88 @@
+"""Weights as code blocks: every 32 consecutive weights of a row are ``scale * code + min``.
+
+This is how GGUF's Q4_0 / Q4_1 / Q8_0 tensors define their values, so a model loaded from
+such a file can keep its linear weights in this form (~6 bits a weight instead of 16 or
+32) and have the skinny kernel (``coded_linear.c``) rebuild each float32 value exactly,
+then round it to bfloat16 as torch does: the same bits as the dense weight, fewer bytes to
+stream per decode step. ``BlockCodes`` holds the codes as loaded; ``records`` lays them
+out for the kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+CODE_BLOCK = 32
+CODED_AFFINE4, CODED_AFFINE8, CODED_TABLE4 = 1, 2, 3       # coded_linear.c's formats
+
+
+@dataclass
+class BlockCodes:
+    """Weights [N, K] = ``codes * scales + mins`` per block of 32 along K (float32 arithmetic:
+    the product is exact, the sum rounds once, as in GGUF's dequantization)."""
+
+    codes: torch.Tensor        # [N, K] uint8 (bits 4: 0..15) or int8 (bits 8)
+    scales: torch.Tensor       # [N, K / 32] float32
+    mins: torch.Tensor         # [N, K / 32] float32
+    bits: int
+
+    def __post_init__(self) -> None:
+        num_rows, num_in = self.codes.shape
+        if num_in % CODE_BLOCK or self.scales.shape != (num_rows, num_in // CODE_BLOCK) \
+                or self.mins.shape != self.scales.shape or self.bits not in (4, 8):
+            raise ValueError(f"inconsistent block codes: codes {tuple(self.codes.shape)}, scales "
+                             f"{tuple(self.scales.shape)}, mins {tuple(self.mins.shape)}, bits {self.bits}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def expand(self) -> torch.Tensor:
+        """The float32 weights [N, K]."""
+        num_rows, num_in = self.codes.shape
+        blocks = self.codes.reshape(num_rows, -1, CODE_BLOCK).float()
+        return (blocks * self.scales[..., None] + self.mins[..., None]).reshape(num_rows, num_in)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockCodes:
+        """The same row transformation (e.g. a permutation) applied to codes, scales and mins."""
+        return BlockCodes(fn(self.codes), fn(self.scales), fn(self.mins), self.bits)
+
+    @staticmethod
+    def cat(parts: list[BlockCodes]) -> BlockCodes | None:
+        """Row-wise concatenation; None if the parts differ in bits or width."""
+        if len({(p.bits, p.shape[1]) for p in parts}) != 1:
+            return None
+        return BlockCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.mins for p in parts]), parts[0].bits)
+
+    def kernel_format(self, dtype: torch.dtype) -> int:
+        """The ``coded_linear.c`` format for weights of ``dtype``: 4-bit codes look bfloat16
+        values up in a per-block table, float32 ones are computed; 8-bit ones are computed."""
+        if self.bits == 8:
+            return CODED_AFFINE8
+        return CODED_TABLE4 if dtype == torch.bfloat16 else CODED_AFFINE4
+
+    def records(self, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 [N, K / 32 * record bytes]: one record per block in the layout
+        ``coded_linear.c`` reads for ``kernel_format(dtype)``."""
+        num_rows, num_in = self.codes.shape
+        num_blocks = num_in // CODE_BLOCK
+        codes = self.codes.numpy().view(np.uint8).reshape(num_rows, num_blocks, CODE_BLOCK)
+        if self.bits == 4:     # byte j: weight (j // 4) * 8 + j % 4 (low nibble) and that + 4 (high)
+            groups = codes.reshape(num_rows, num_blocks, 4, 2, 4)
+            codes = (groups[:, :, :, 0] | (groups[:, :, :, 1] << 4)).reshape(num_rows, num_blocks, 16)
+        if self.kernel_format(dtype) == CODED_TABLE4:
+            header = self._bfloat16_tables().numpy().view(np.uint8)           # [N, blocks, 16, 2]
+            header = np.ascontiguousarray(header.reshape(num_rows, num_blocks, 16, 2).transpose(0, 1, 3, 2))
+        else:
+            header = np.stack([self.scales.numpy(), self.mins.numpy()], axis=-1).astype(np.float32).view(np.uint8)
+        records = np.concatenate([header.reshape(num_rows, num_blocks, -1), codes], axis=-1)
+        return torch.from_numpy(np.ascontiguousarray(records.reshape(num_rows, -1)))
+
+    def _bfloat16_tables(self) -> torch.Tensor:
+        """int16 [N, blocks, 16]: the bfloat16 bits of each block's value for codes 0..15."""
+        values = torch.arange(16, dtype=torch.float32) * self.scales[..., None] + self.mins[..., None]
+        return values.to(torch.bfloat16).view(torch.int16)

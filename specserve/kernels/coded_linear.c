@@ -1,0 +1,120 @@
+/* Weight blocks for the skinny linear (skinny_linear.c) stored as codes. Every 32 consecutive
+   weights of a row are scale * code + min (4-bit unsigned or 8-bit signed codes, a float32
+   scale and min per block): how GGUF's Q4_0 / Q4_1 / Q8_0 tensors define their values. The
+   product scale * code of two such numbers is exact in float32, so one fused multiply-add
+   rebuilds the very float32 value the dequantized tensor holds (and, for bfloat16 weights,
+   rounding it as torch does gives the stored bfloat16 value). The products with the inputs
+   then run the dense blocks' chain of FMAs, so coded weights give the dense weights' bits
+   while 6-12 bits a weight, not 16 or 32, stream from memory.
+   Formats (one record per block of 32 weights; codes of 4-bit formats: byte j holds the
+   weight (j / 4) * 8 + j % 4 in its low nibble and that weight + 4 in its high nibble):
+     CODED_AFFINE4: float32 scale, float32 min, 16 bytes of codes               (24 bytes)
+     CODED_AFFINE8: float32 scale, float32 min (0 for Q8_0), 32 int8 codes      (40 bytes)
+     CODED_TABLE4 (bfloat16 only): the block's 16 values as bfloat16, low bytes then high
+                   bytes (32 bytes), then 16 bytes of codes; a lookup, no arithmetic (48 bytes) */
+#include "common.h"
+
+#define CODE_BLOCK 32
+enum { CODED_NONE = 0, CODED_AFFINE4 = 1, CODED_AFFINE8 = 2, CODED_TABLE4 = 3 };
+
+static inline int coded_record_bytes(int format) {
+    return format == CODED_AFFINE4 ? 24 : format == CODED_AFFINE8 ? 40 : 48;
+}
+static inline long coded_row_bytes(int K, int format) { return (long)(K / CODE_BLOCK) * coded_record_bytes(format); }
+
+/* float32 -> bfloat16 -> float32, round to nearest even (finite values) */
+static inline __m256 round_bf16x8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* the 32 weights of one block, in order, as 4 x 8 float32 */
+static inline __attribute__((always_inline)) void expand_affine(const uint8_t *rec, int format, int to_bf16,
+                                                                __m256 w[4]) {
+    const __m256 scale = _mm256_broadcast_ss((const float *)rec);
+    const __m256 min = _mm256_broadcast_ss((const float *)rec + 1);
+    __m256i q[4];
+    if (format == CODED_AFFINE4) {
+        const __m256i nibble = _mm256_set1_epi32(15);
+        for (int half = 0; half < 2; half++) {      /* bytes 8h..8h+7 hold weights 16h..16h+15 */
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 8 + half * 8)));
+            const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_srli_epi32(b, 4);
+            /* lo: weights 16h + {0..3, 8..11}, hi: 16h + {4..7, 12..15} */
+            q[2 * half] = _mm256_permute2x128_si256(lo, hi, 0x20);
+            q[2 * half + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+        }
+    } else {
+        for (int s = 0; s < 4; s++) q[s] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 8 + s * 8)));
+    }
+    for (int s = 0; s < 4; s++) {
+        const __m256 v = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(q[s]), min);
+        w[s] = to_bf16 ? round_bf16x8(v) : v;
+    }
+}
+
+static inline __attribute__((always_inline)) void expand_table(const uint8_t *rec, __m256 w[4]) {
+    const __m256i table_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)rec));
+    const __m256i table_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rec + 16)));
+    const __m128i codes = _mm_loadu_si128((const __m128i *)(rec + 32)), nibble = _mm_set1_epi8(15);
+    const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(codes, 4), nibble), _mm_and_si128(codes, nibble));
+    const __m256i lo = _mm256_shuffle_epi8(table_lo, idx), hi = _mm256_shuffle_epi8(table_hi, idx);
+    const __m256i w01 = _mm256_unpacklo_epi8(lo, hi), w23 = _mm256_unpackhi_epi8(lo, hi), z = _mm256_setzero_si256();
+    w[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w01));
+    w[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w01));
+    w[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w23));
+    w[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w23));
+}
+
+/* NB coded weight rows (row_bytes apart) x R input rows (float32, stride K); each output is
+   the dense blocks' FMA chain (skinny_linear.c) */
+static inline __attribute__((always_inline)) void coded_block(const float *x, const uint8_t *w, long row_bytes,
+        int K, const uint8_t *pf, int R, int format, int to_bf16, float out[NB][MB]) {
+    const int rec = coded_record_bytes(format);
+    __m256 acc[NB][MB];
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < R; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int b = 0; b < K / CODE_BLOCK; b++) {
+        const long offset = (long)b * rec;
+        for (int i = 0; i < NB; i++) {
+            if (pf) _mm_prefetch((const char *)(pf + i * row_bytes + offset), _MM_HINT_T0);
+            __m256 wv[4];
+            if (format == CODED_TABLE4) expand_table(w + i * row_bytes + offset, wv);
+            else expand_affine(w + i * row_bytes + offset, format, to_bf16, wv);
+            for (int s = 0; s < 4; s++)
+                for (int j = 0; j < R; j++)
+                    acc[i][j] = _mm256_fmadd_ps(wv[s], _mm256_loadu_ps(x + (long)j * K + b * CODE_BLOCK + s * 8), acc[i][j]);
+        }
+    }
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < R; j++) out[i][j] = hsum8(acc[i][j]);
+}
+
+#define DEFINE_CODED(NAME, R, FORMAT, TO_BF16)                                                 \
+static void NAME(const float *x, const uint8_t *w, long row_bytes, int K, const uint8_t *pf,  \
+                 float out[NB][MB]) { coded_block(x, w, row_bytes, K, pf, R, FORMAT, TO_BF16, out); }
+DEFINE_CODED(a4_f32_1, 1, CODED_AFFINE4, 0) DEFINE_CODED(a4_f32_2, 2, CODED_AFFINE4, 0)
+DEFINE_CODED(a4_f32_3, 3, CODED_AFFINE4, 0) DEFINE_CODED(a4_bf16_1, 1, CODED_AFFINE4, 1)
+DEFINE_CODED(a4_bf16_2, 2, CODED_AFFINE4, 1) DEFINE_CODED(a4_bf16_3, 3, CODED_AFFINE4, 1)
+DEFINE_CODED(a8_f32_1, 1, CODED_AFFINE8, 0) DEFINE_CODED(a8_f32_2, 2, CODED_AFFINE8, 0)
+DEFINE_CODED(a8_f32_3, 3, CODED_AFFINE8, 0) DEFINE_CODED(a8_bf16_1, 1, CODED_AFFINE8, 1)
+DEFINE_CODED(a8_bf16_2, 2, CODED_AFFINE8, 1) DEFINE_CODED(a8_bf16_3, 3, CODED_AFFINE8, 1)
+DEFINE_CODED(t4_bf16_1, 1, CODED_TABLE4, 1) DEFINE_CODED(t4_bf16_2, 2, CODED_TABLE4, 1)
+DEFINE_CODED(t4_bf16_3, 3, CODED_TABLE4, 1)
+
+typedef void (*coded_fn)(const float *, const uint8_t *, long, int, const uint8_t *, float[NB][MB]);
+static const coded_fn CODED_FNS[3][2][MB] = {       /* [format - 1][bfloat16][rows - 1] */
+    {{a4_f32_1, a4_f32_2, a4_f32_3}, {a4_bf16_1, a4_bf16_2, a4_bf16_3}},
+    {{a8_f32_1, a8_f32_2, a8_f32_3}, {a8_bf16_1, a8_bf16_2, a8_bf16_3}},
+    {{NULL, NULL, NULL}, {t4_bf16_1, t4_bf16_2, t4_bf16_3}},
+};
+
+static inline int coded_supports(int format, int is_bf16) {
+    return format >= CODED_AFFINE4 && format <= CODED_TABLE4 && (format != CODED_TABLE4 || is_bf16);
+}
+
+static void coded_rows(const float *x, const uint8_t *w, long row_bytes, int K, const uint8_t *pf, int r,
+                       int format, int to_bf16, float out[NB][MB]) {
+    CODED_FNS[format - 1][to_bf16][r - 1](x, w, row_bytes, K, pf, out);
+}
