@@ -91,6 +91,23 @@ static inline __attribute__((always_inline)) void coded_block(const float *x, co
         for (int j = 0; j < R; j++) out[i][j] = hsum8(acc[i][j]);
 }
 
+/* NB coded weight rows expanded to float32 rows (stride K) in out: the values the dense
+   blocks would load, so they can run over many input rows at the cost of one expansion */
+static void expand_rows(const uint8_t *w, long row_bytes, int K, const uint8_t *pf, int format, int to_bf16,
+                        float *out) {
+    const int rec = coded_record_bytes(format);
+    for (int i = 0; i < NB; i++)
+        for (int b = 0; b < K / CODE_BLOCK; b++) {
+            const long offset = i * row_bytes + (long)b * rec;
+            if (pf) _mm_prefetch((const char *)(pf + offset), _MM_HINT_T0);
+            __m256 wv[4];
+            if (format == CODED_TABLE4) expand_table(w + offset, wv);
+            else if (to_bf16) expand_affine(w + offset, format, 1, wv);
+            else expand_affine(w + offset, format, 0, wv);
+            for (int s = 0; s < 4; s++) _mm256_storeu_ps(out + (long)i * K + b * CODE_BLOCK + s * 8, wv[s]);
+        }
+}
+
 #define DEFINE_CODED(NAME, R, FORMAT, TO_BF16)                                                 \
 static void NAME(const float *x, const uint8_t *w, long row_bytes, int K, const uint8_t *pf,  \
                  float out[NB][MB]) { coded_block(x, w, row_bytes, K, pf, R, FORMAT, TO_BF16, out); }

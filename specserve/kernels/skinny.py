@@ -28,7 +28,8 @@ def linear_weights(dense: torch.Tensor, records: torch.Tensor | None = None, cod
                    coded_max_rows: int = 0) -> LinearWeights:
     """``dense`` [N, K] contiguous; ``records``: the code blocks (``BlockCodes.records``)."""
     coded = None if records is None else records.data_ptr()
-    return LinearWeights(dense.data_ptr(), coded, coded_format if coded else 0, coded_max_rows if coded else 0)
+    max_rows = min(coded_max_rows, 2**31 - 1) if coded else 0           # ALL_ROWS fits no int32
+    return LinearWeights(dense.data_ptr(), coded, coded_format if coded else 0, max_rows)
 
 
 def is_available() -> bool:

@@ -68,8 +68,12 @@ static void bf16_rows(const float *x, const uint16_t *w, int K, const uint16_t *
 /* one block of NB weight rows (row_bytes apart; format: CODED_NONE for dense) against all M
    input rows, into res[M][NB] */
 static void weight_block(const float *xf, const void *w, long row_bytes, int format, int M, int K, int is_bf16,
-                         const void *pf, float *res) {
+                         const void *pf, float *scratch, float *res) {
     float out[NB][MB];
+    if (format && M > MB) {          /* several row groups: expand the codes once (to scratch) */
+        expand_rows((const uint8_t *)w, row_bytes, K, (const uint8_t *)pf, format, is_bf16, scratch);
+        w = scratch, format = CODED_NONE, is_bf16 = 0, pf = NULL;
+    }
     const int num_mblocks = (M + MB - 1) / MB;
     for (int m = 0, blk = 0; m < M; blk++) {
         const int r = (M - m) / (num_mblocks - blk) + ((M - m) % (num_mblocks - blk) != 0);
@@ -100,6 +104,7 @@ static int run_linear(const void *x, const void *w, int format, const float *bia
     {
         void *tail = malloc((size_t)NB * row_bytes);
         float *res = (float *)malloc((size_t)M * NB * 4);
+        float *scratch = format ? (float *)malloc((size_t)NB * K * 4) : NULL;
         #pragma omp for schedule(static)
         for (int b = 0; b < nblocks; b++) {
             const int n = b * NB, nb = N - n < NB ? N - n : NB;
@@ -110,7 +115,7 @@ static int run_linear(const void *x, const void *w, int format, const float *bia
                 memcpy(tail, wb, (size_t)nb * row_bytes);
                 wb = (const char *)tail;
             }
-            weight_block(xf, wb, row_bytes, format, M, K, is_bf16, pf, res);
+            weight_block(xf, wb, row_bytes, format, M, K, is_bf16, pf, scratch, res);
             for (int m = 0; m < M; m++)
                 for (int i = 0; i < nb; i++) {
                     float v = res[(long)m * NB + i] + (bias ? bias[n + i] : 0.f);
@@ -120,6 +125,7 @@ static int run_linear(const void *x, const void *w, int format, const float *bia
         }
         free(tail);
         free(res);
+        free(scratch);
     }
     if (is_bf16) free(xf);
     return 0;

@@ -59,6 +59,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self._native: native_layer.LayerWeights | None = None
+        self._native_linears: tuple[Linear, ...] | None = None   # () where the native layer cannot run
 
     def forward(self, h: torch.Tensor, cos, sin, cache, meta, backend) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, backend)
@@ -68,11 +69,14 @@ class LlamaDecoderLayer(nn.Module):
         """Whether ``forward_native`` computes this layer for ``num_rows`` rows: every linear
         routes that many rows to the skinny kernel (so the two paths share their linears) and
         the layer has no parts the native layer lacks (qk-norm, MLP or output biases)."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return (attn.q_norm is None and all(m.skinny_max_rows >= num_rows for m in linears)
-                and attn.o_proj.bias is None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
-                and not torch.is_grad_enabled() and native_layer.is_available())
+        if self._native_linears is None:               # the structure is checked once
+            attn, mlp = self.self_attn, self.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            is_supported = (attn.q_norm is None and attn.o_proj.bias is None and mlp.gate_up_proj.bias is None
+                            and mlp.down_proj.bias is None and native_layer.is_available())
+            self._native_linears = linears if is_supported else ()
+        return (bool(self._native_linears) and all(m.skinny_max_rows >= num_rows for m in self._native_linears)
+                and not torch.is_grad_enabled())
 
     def forward_native(self, h: torch.Tensor, cos, sin, cache, meta) -> None:
         """The layer in one native call, for decode-shaped forwards (``meta.row_batch`` set);

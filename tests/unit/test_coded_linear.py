@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 from specserve.kernels import skinny
 from specserve.kernels.coded import BlockCodes
 from specserve.loading.gguf import block_codes
-from specserve.models.packed_linear import CODED_MAX_ROWS, Linear, pack_linears_for_cpu
+from specserve.models.packed_linear import Linear, pack_linears_for_cpu
 
 needs_kernel = pytest.mark.skipif(not skinny.is_available(), reason="skinny kernel not built here (no AVX2 or no C compiler)")
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
@@ -66,7 +66,7 @@ def test_kernel_over_codes_gives_the_dense_bits(dtype, kind):
     records = codes.records(dtype)
     coded = skinny.linear_weights(weight, records, codes.kernel_format(dtype), coded_max_rows=100)
     bias = torch.randn(13)
-    for rows in (1, 2, 3, 4, 5, 9):
+    for rows in (1, 2, 3, 4, 5, 9, 40):
         x = torch.randn(rows, 96).to(dtype)
         got = skinny.linear_forward(x, coded, weight.shape, bias)
         assert torch.equal(_bits(got), _bits(skinny.skinny_linear(x, weight, bias)))
@@ -90,7 +90,7 @@ def test_packing_keeps_codes_that_rebuild_the_weight(dtype):
     layer = _linear_with_codes(dtype, codes)
     pack_linears_for_cpu(layer)
     assert layer.coded_records is not None
-    assert layer.native_weights.coded_max_rows == min(CODED_MAX_ROWS[dtype], layer.skinny_max_rows)
+    assert layer.native_weights.coded_max_rows == min(layer.skinny_max_rows, 2**31 - 1)
     x = torch.randn(1, 64).to(dtype)
     with torch.inference_mode():
         assert torch.equal(_bits(layer(x)), _bits(skinny.skinny_linear(x, layer.weight.detach())))
