@@ -63,6 +63,7 @@ class Linear(nn.Linear):
     skinny_max_rows: int = 0           # inputs of up to this many rows use the skinny kernel
     skinny_bias: torch.Tensor | None = None    # the bias in float32, for the skinny kernel
     coded_records: torch.Tensor | None = None  # the weight's code blocks, laid out for the kernel
+    coded_format: int = 0                      # their coded_linear.c format
     native_weights: skinny.LinearWeights | None = None   # what the skinny kernel reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,10 +151,12 @@ def _use_skinny(module: Linear) -> bool:
     codes = getattr(weight, "block_codes", None)
     if codes is not None and _rebuilds(codes, weight):
         module.coded_records = codes.records(weight.dtype)
-        module.native_weights = skinny.linear_weights(
-            weight.detach(), module.coded_records, codes.kernel_format(weight.dtype), module.skinny_max_rows)
-    else:
-        module.native_weights = skinny.linear_weights(weight.detach())
+        module.coded_format = codes.kernel_format(weight.dtype)
+        del weight.block_codes             # the records hold them now (a byte a weight less kept)
+    elif module.native_weights is None or module.native_weights.dense != weight.data_ptr():
+        module.coded_records = None        # no codes, or those of a replaced weight
+    module.native_weights = skinny.linear_weights(weight.detach(), module.coded_records, module.coded_format,
+                                                  module.skinny_max_rows)
     return True
 
 

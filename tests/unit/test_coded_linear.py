@@ -91,6 +91,8 @@ def test_packing_keeps_codes_that_rebuild_the_weight(dtype):
     codes = block_codes(_gguf_tensor(Q.Q4_1, 16, 64, seed=4))
     layer = _linear_with_codes(dtype, codes)
     pack_linears_for_cpu(layer)
+    assert layer.coded_records is not None and not hasattr(layer.weight, "block_codes")
+    pack_linears_for_cpu(layer)                       # packing again keeps the records
     assert layer.coded_records is not None
     assert layer.native_weights.coded_max_rows == min(layer.skinny_max_rows, 2**31 - 1)
     x = torch.randn(1, 64).to(dtype)
