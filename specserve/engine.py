@@ -33,6 +33,14 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     last_log_time: float = field(default_factory=time.time)
     tokens_since_log: int = 0
+    prefill_seconds: float = 0.0        # wall time inside prefill steps
+    decode_seconds: float = 0.0         # wall time inside decode steps (plain or speculative)
+    decode_tokens: int = 0              # tokens those decode steps emitted
+
+    @property
+    def decode_throughput(self) -> float:
+        """Tokens per second of decode-step time: what batching multiplies (NaN before any)."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
     @property
     def avg_spec_accept_length(self) -> float:
@@ -112,12 +120,19 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
-        if batch.is_prefill:
-            results = self._run_prefill(batch)
-        else:
-            results = self._run_decode(batch)
-        outputs.extend(self._postprocess(results))
+        start = time.perf_counter()
+        results = self._run_prefill(batch) if batch.is_prefill else self._run_decode(batch)
+        step_outputs = self._postprocess(results)
+        self._account_step(batch.is_prefill, time.perf_counter() - start, step_outputs)
+        outputs.extend(step_outputs)
         return outputs
+
+    def _account_step(self, is_prefill: bool, seconds: float, outputs: list[StepOutput]) -> None:
+        if is_prefill:
+            self.stats.prefill_seconds += seconds
+        else:
+            self.stats.decode_seconds += seconds
+            self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
 
     def _run_prefill(self, batch: ScheduledBatch) -> dict[str, TokenResult]:
         specs = []

@@ -15,7 +15,7 @@ import gc
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from specserve.bench import prompts as prompt_data
@@ -292,11 +292,13 @@ def _run_mode(args, label, spec, prompt_list, levels) -> tuple[list[dict[str, An
               f"the engine ran plain decoding", flush=True)
     for entry in runs:
         entry["ratio_vs_c1"] = report.ratio(entry["throughput"], runs[0]["throughput"])
+        entry["decode_ratio_vs_c1"] = report.ratio(entry["decode_throughput"], runs[0]["decode_throughput"])
     return runs, reference
 
 
 def _run_level(core, label: str, level: int, id_lists, args) -> dict[str, Any]:
     core.flush_cache()
+    before = replace(core.stats)
     with progress_bar(len(id_lists), f"serving {label} c={level}") as bar:
         records, wall = run_requests(core, id_lists, lambda: sampling_params(args.max_new_tokens, args.ignore_eos),
                                      level, on_finish=lambda _r: bar.update(1))
@@ -305,10 +307,19 @@ def _run_level(core, label: str, level: int, id_lists, args) -> dict[str, Any]:
     accept = [r.meta.get("spec_accept_length", 1.0) for r in records]
     return {"concurrency": level, "num_requests": len(records), "generated_tokens": generated,
             "wall_s": wall, "throughput": generated / wall if wall > 0 else float("nan"),
+            **_decode_figures(before, core.stats),
             "median_ttft_s": report.median(r.ttft for r in records),
             "median_decode_rate": report.median(r.decode_rate for r in records),
             "accept_length": report.weighted_mean(accept, verify) if sum(verify) else None,
             "_records": records}
+
+
+def _decode_figures(before, after) -> dict[str, Any]:
+    """Decode steps alone (prefill steps left out): their time, tokens and tokens/s."""
+    seconds = after.decode_seconds - before.decode_seconds
+    tokens = after.decode_tokens - before.decode_tokens
+    return {"decode_s": seconds, "decode_tokens": tokens, "prefill_s": after.prefill_seconds - before.prefill_seconds,
+            "decode_throughput": tokens / seconds if seconds > 0 else float("nan")}
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -318,14 +329,18 @@ def _print(result: dict[str, Any]) -> None:
         for entry in runs:
             rows.append([label, entry["concurrency"], entry["num_requests"], entry["generated_tokens"],
                          entry["wall_s"], entry["throughput"], entry["ratio_vs_c1"],
+                         entry["decode_throughput"], entry["decode_ratio_vs_c1"],
                          report.ratio(entry["throughput"], plain.get(entry["concurrency"])) if label != "plain"
                          else None,
                          entry["median_ttft_s"] * 1000, entry["accept_length"],
                          f"{len(entry['mismatches_vs_c1'])}/{entry['num_requests']}"])
-    report.print_table(["mode", "conc", "reqs", "tokens", "wall s", "tok/s", "x vs c1", "x vs plain",
+    report.print_table(["mode", "conc", "reqs", "tokens", "wall s", "tok/s", "x vs c1", "decode tok/s",
+                        "decode x vs c1", "x vs plain",
                         "ttft ms", "accept", "mismatch"], rows,
                        title=f"serving: {result['dtype']}, max_new_tokens={result['max_new_tokens']}, "
-                             f"ignore_eos={result['ignore_eos']} (mismatch: greedy output != one-at-a-time)")
+                             f"ignore_eos={result['ignore_eos']} (tok/s: all tokens over the wall time; decode "
+                             f"tok/s: tokens of decode steps over their time, prefill steps left out; mismatch: "
+                             f"greedy output != one-at-a-time)")
     if "spec_vs_plain_mismatches" in result:
         print(f"speculative vs plain outputs (c=1): {len(result['spec_vs_plain_mismatches'])} of "
               f"{result['num_prompts']} differ\n", flush=True)

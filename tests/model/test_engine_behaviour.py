@@ -253,6 +253,16 @@ def test_batched_equals_one_at_a_time(engine, reference_outputs):
     assert _batched(engine, reference_outputs) == [out for _, out in reference_outputs]
 
 
+def test_decode_step_accounting(engine, reference_outputs):
+    """Each request's first token comes from its prefill step, every later one from a decode
+    step: the decode counters (which `bench serving` divides) see exactly those."""
+    stats = engine.engine.stats
+    before = (stats.decode_tokens, stats.decode_seconds, stats.prefill_seconds)
+    outputs = _batched(engine, reference_outputs)
+    assert stats.decode_tokens - before[0] == sum(len(out) - 1 for out in outputs)
+    assert stats.decode_seconds > before[1] and stats.prefill_seconds > before[2]
+
+
 def test_chunked_prefill_same_greedy_output(make_engine, reference_outputs):
     chunked = make_engine(chunked_prefill_size=16)
     assert max(len(ids) for ids, _ in reference_outputs) > 2 * 16
