@@ -71,9 +71,8 @@ class BlockCodes:
         num_rows, num_in = self.codes.shape
         num_blocks = num_in // CODE_BLOCK
         codes = self.codes.numpy().view(np.uint8).reshape(num_rows, num_blocks, CODE_BLOCK)
-        if self.bits == 4:     # byte j: weight (j // 4) * 8 + j % 4 (low nibble) and that + 4 (high)
-            groups = codes.reshape(num_rows, num_blocks, 4, 2, 4)
-            codes = (groups[:, :, :, 0] | (groups[:, :, :, 1] << 4)).reshape(num_rows, num_blocks, 16)
+        if self.bits == 4:
+            codes = _pack_nibbles(codes, self.kernel_format(dtype)).reshape(num_rows, num_blocks, 16)
         if self.kernel_format(dtype) == CODED_TABLE4:
             header = self._bfloat16_tables().numpy().view(np.uint8)           # [N, blocks, 16, 2]
             header = np.ascontiguousarray(header.reshape(num_rows, num_blocks, 16, 2).transpose(0, 1, 3, 2))
@@ -86,3 +85,15 @@ class BlockCodes:
         """int16 [N, blocks, 16]: the bfloat16 bits of each block's value for codes 0..15."""
         values = torch.arange(16, dtype=torch.float32) * self.scales[..., None] + self.mins[..., None]
         return values.to(torch.bfloat16).view(torch.int16)
+
+
+def _pack_nibbles(codes: np.ndarray, kernel_format: int) -> np.ndarray:
+    """Two 4-bit codes a byte, [..., 32] -> [..., 16]. CODED_TABLE4 (a lookup, then byte
+    interleaving): byte j holds weight (j // 4) * 8 + j % 4 (low nibble) and that + 4 (high).
+    CODED_AFFINE4 (widened 8 bytes at a time): byte 8h + j holds weight 16h + j (low) and
+    16h + j + 8 (high), so one mask and one shift give 8 weights in order each."""
+    if kernel_format == CODED_TABLE4:
+        groups = codes.reshape(*codes.shape[:-1], 4, 2, 4)
+        return groups[..., 0, :] | (groups[..., 1, :] << 4)
+    halves = codes.reshape(*codes.shape[:-1], 2, 2, 8)
+    return halves[..., 0, :] | (halves[..., 1, :] << 4)

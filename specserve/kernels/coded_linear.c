@@ -6,12 +6,14 @@
    rounding it as torch does gives the stored bfloat16 value). The products with the inputs
    then run the dense blocks' chain of FMAs, so coded weights give the dense weights' bits
    while 6-12 bits a weight, not 16 or 32, stream from memory.
-   Formats (one record per block of 32 weights; codes of 4-bit formats: byte j holds the
-   weight (j / 4) * 8 + j % 4 in its low nibble and that weight + 4 in its high nibble):
-     CODED_AFFINE4: float32 scale, float32 min, 16 bytes of codes               (24 bytes)
+   Formats (one record per block of 32 weights):
+     CODED_AFFINE4: float32 scale, float32 min, 16 bytes of codes: byte 8h + j holds weight
+                   16h + j in its low nibble and weight 16h + j + 8 in its high one (24 bytes)
      CODED_AFFINE8: float32 scale, float32 min (0 for Q8_0), 32 int8 codes      (40 bytes)
      CODED_TABLE4 (bfloat16 only): the block's 16 values as bfloat16, low bytes then high
-                   bytes (32 bytes), then 16 bytes of codes; a lookup, no arithmetic (48 bytes) */
+                   bytes (32 bytes), then 16 bytes of codes: byte j holds weight (j / 4) * 8 + j % 4
+                   in its low nibble and that weight + 4 in its high one; a lookup, no arithmetic
+                   (48 bytes) */
 #include "common.h"
 
 #define CODE_BLOCK 32
@@ -38,12 +40,10 @@ static inline __attribute__((always_inline)) void expand_affine(const uint8_t *r
     __m256i q[4];
     if (format == CODED_AFFINE4) {
         const __m256i nibble = _mm256_set1_epi32(15);
-        for (int half = 0; half < 2; half++) {      /* bytes 8h..8h+7 hold weights 16h..16h+15 */
+        for (int half = 0; half < 2; half++) {      /* byte 8h + j: weights 16h + j and 16h + j + 8 */
             const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 8 + half * 8)));
-            const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_srli_epi32(b, 4);
-            /* lo: weights 16h + {0..3, 8..11}, hi: 16h + {4..7, 12..15} */
-            q[2 * half] = _mm256_permute2x128_si256(lo, hi, 0x20);
-            q[2 * half + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);
+            q[2 * half] = _mm256_and_si256(b, nibble);
+            q[2 * half + 1] = _mm256_srli_epi32(b, 4);
         }
     } else {
         for (int s = 0; s < 4; s++) q[s] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rec + 8 + s * 8)));

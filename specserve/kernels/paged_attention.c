@@ -9,7 +9,8 @@
    Every step depends only on the keys a row attends to, in their order, never on the other
    rows, the batch, padding or masked keys (skipped, not added as zeros), nor on the thread
    count: a token gets the same bits verified inside a draft tree, decoded alone or batched.
-   The query heads of a GQA group share each K/V load.
+   The query heads of a GQA group share each key's address; keys are scored four at a time and
+   the weighted values summed in registers (the same chains, overlapped).
    Built by build.py (cpu_kernels.c), called from attention.py and decoder_layer.c. */
 #include "common.h"
 
@@ -40,49 +41,82 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(is_tiny, y);
 }
 
+#define KEY_TILE 4            /* keys scored together (independent FMA chains) */
+#define PREFETCH_KEYS 16      /* keys ahead whose K or V rows are prefetched */
+
+/* prefetch the `bytes` bytes of a key or value row that a later iteration reads */
+static inline void prefetch_row(const char *p, int bytes) {
+    for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+/* scores[g * padded + l] = q_g . K[slots[l]] for the `group` query heads, KEY_TILE keys at a
+   time so their chains overlap; each score is still its own chain over d and one hsum8 */
+static void score_keys(const float *q, const char *k_base, long slot_stride, const int64_t *slots,
+                       int num_keys, int group, int head_dim, int is_bf16, int padded, float *scores) {
+    const int esize = is_bf16 ? 2 : 4;
+    for (int l0 = 0; l0 < num_keys; l0 += KEY_TILE) {
+        const int n = num_keys - l0 < KEY_TILE ? num_keys - l0 : KEY_TILE;
+        const char *keys[KEY_TILE];
+        for (int i = 0; i < KEY_TILE; i++) keys[i] = k_base + slots[l0 + (i < n ? i : 0)] * slot_stride;
+        for (int i = 0; i < KEY_TILE && l0 + PREFETCH_KEYS + i < num_keys; i++)
+            prefetch_row(k_base + slots[l0 + PREFETCH_KEYS + i] * slot_stride, head_dim * esize);
+        for (int g = 0; g < group; g++) {
+            __m256 acc[KEY_TILE];
+            for (int i = 0; i < KEY_TILE; i++) acc[i] = _mm256_setzero_ps();
+            for (int d = 0; d < head_dim; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + g * head_dim + d);
+                for (int i = 0; i < KEY_TILE; i++)
+                    acc[i] = _mm256_fmadd_ps(qv, load8(keys[i] + d * esize, is_bf16), acc[i]);
+            }
+            for (int i = 0; i < n; i++) scores[g * padded + l0 + i] = hsum8(acc[i]);
+        }
+    }
+}
+
+/* out[d0 .. d0 + NV * 8) of one head = sum_l w[l] * V[slots[l]][d], keys in order, the partial
+   sums in registers (each element one chain of FMAs over l) */
+#define DEFINE_WEIGH(NAME, NV)                                                                   \
+static void NAME(const float *w, const char *v_base, long slot_stride, const int64_t *slots,    \
+                 int num_keys, int d0, int is_bf16, float *out) {                                \
+    const int esize = is_bf16 ? 2 : 4;                                                           \
+    __m256 acc[NV];                                                                              \
+    for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();                                   \
+    for (int l = 0; l < num_keys; l++) {                                                         \
+        if (l + PREFETCH_KEYS < num_keys)                                                        \
+            prefetch_row(v_base + slots[l + PREFETCH_KEYS] * slot_stride + (long)d0 * esize, NV * 8 * esize); \
+        const char *value = v_base + slots[l] * slot_stride + (long)d0 * esize;                  \
+        const __m256 wv = _mm256_set1_ps(w[l]);                                                  \
+        for (int i = 0; i < NV; i++) acc[i] = _mm256_fmadd_ps(wv, load8(value + i * 8 * esize, is_bf16), acc[i]); \
+    }                                                                                            \
+    for (int i = 0; i < NV; i++) _mm256_storeu_ps(out + d0 + i * 8, acc[i]);                     \
+}
+DEFINE_WEIGH(weigh_values_8, 8)
+DEFINE_WEIGH(weigh_values_1, 1)
+
 /* One query row against one KV head: the `group` query heads q[g * head_dim ...] (float32,
    already scaled), keys/values at `slots` (num_keys of them). scores: >= round8(num_keys) *
    group floats of scratch. Writes out[g * head_dim + d] in float32. */
 static void attend_row(const float *q, const char *k_base, const char *v_base, long slot_stride,
                        const int64_t *slots, int num_keys, int group, int head_dim, int is_bf16,
                        float *scores, float *out) {
-    const int esize = is_bf16 ? 2 : 4;
     const int padded = (num_keys + 7) / 8 * 8;
-    float maxs[MAX_GROUP];
-    for (int g = 0; g < group; g++) maxs[g] = -INFINITY;
-    for (int l = 0; l < num_keys; l++) {
-        const char *key = k_base + slots[l] * slot_stride;
-        for (int g = 0; g < group; g++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int d = 0; d < head_dim; d += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + d), load8(key + d * esize, is_bf16), acc);
-            float s = hsum8(acc);
-            scores[g * padded + l] = s;
-            if (s > maxs[g]) maxs[g] = s;
-        }
-    }
+    score_keys(q, k_base, slot_stride, slots, num_keys, group, head_dim, is_bf16, padded, scores);
     for (int g = 0; g < group; g++) {
         float *row = scores + g * padded;
+        float max = -INFINITY;
+        for (int l = 0; l < num_keys; l++) max = row[l] > max ? row[l] : max;
         for (int l = num_keys; l < padded; l++) row[l] = -INFINITY;
-        __m256 m = _mm256_set1_ps(maxs[g]);
+        const __m256 m = _mm256_set1_ps(max);
         for (int l = 0; l < padded; l += 8)
             _mm256_storeu_ps(row + l, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), m)));
-    }
-    for (int g = 0; g < group; g++) memset(out + g * head_dim, 0, head_dim * sizeof(float));
-    float sums[MAX_GROUP] = {0};
-    for (int l = 0; l < num_keys; l++) {
-        const char *value = v_base + slots[l] * slot_stride;
-        for (int g = 0; g < group; g++) {
-            const float w = scores[g * padded + l];
-            const __m256 wv = _mm256_set1_ps(w);
-            sums[g] += w;
-            float *o = out + g * head_dim;
-            for (int d = 0; d < head_dim; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, load8(value + d * esize, is_bf16), _mm256_loadu_ps(o + d)));
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        const float inv = 1.0f / sums[g];
+        float sum = 0.f;
+        for (int l = 0; l < num_keys; l++) sum += row[l];
+        int d0 = 0;
+        for (; d0 + 64 <= head_dim; d0 += 64)
+            weigh_values_8(row, v_base, slot_stride, slots, num_keys, d0, is_bf16, out + g * head_dim);
+        for (; d0 < head_dim; d0 += 8)
+            weigh_values_1(row, v_base, slot_stride, slots, num_keys, d0, is_bf16, out + g * head_dim);
+        const float inv = 1.0f / sum;
         for (int d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv;
     }
 }
