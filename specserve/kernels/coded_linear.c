@@ -24,14 +24,6 @@ static inline int coded_record_bytes(int format) {
 }
 static inline long coded_row_bytes(int K, int format) { return (long)(K / CODE_BLOCK) * coded_record_bytes(format); }
 
-/* float32 -> bfloat16 -> float32, round to nearest even (finite values) */
-static inline __m256 round_bf16x8(__m256 v) {
-    __m256i b = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
-}
-
 /* the 32 weights of one block, in order, as 4 x 8 float32 */
 static inline __attribute__((always_inline)) void expand_affine(const uint8_t *rec, int format, int to_bf16,
                                                                 __m256 w[4]) {

@@ -48,4 +48,52 @@ static inline void set_elem(void *p, long i, float v, int is_bf16) {
 }
 /* v rounded to the storage dtype and back (what storing then loading gives) */
 static inline float round_to(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* 8 lanes rounded to bfloat16 and back, round to nearest even (finite values only) */
+static inline __m256 round_bf16x8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
+}
+/* round_to on 8 lanes: f32_to_bf16's bits, NaNs included */
+static inline __m256 round_to8(__m256 v, int is_bf16) {
+    if (!is_bf16) return v;
+    const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_and_si256(
+        _mm256_or_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x400000)), _mm256_set1_epi32((int)0xffff0000u)));
+    return _mm256_blendv_ps(round_bf16x8(v), quiet_nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+/* store 8 lanes in the storage dtype (bfloat16: rounded as f32_to_bf16) */
+static inline void store8(void *p, __m256 v, int is_bf16) {
+    if (!is_bf16) {
+        _mm256_storeu_ps((float *)p, v);
+        return;
+    }
+    const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to8(v, 1)), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+/* exp on 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp);
+   exp(-inf) = 0. The same code for every lane, so a value's exp never depends on its
+   neighbours. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, c1, x);
+    x = _mm256_fnmadd_ps(fx, c2, x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(is_tiny, y);
+}
 #endif

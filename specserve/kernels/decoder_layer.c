@@ -18,16 +18,17 @@
 static void rms_norm(const void *h, const void *w, void *out, int T, int H, float eps, int is_bf16) {
     const int esize = is_bf16 ? 2 : 4;
     for (int t = 0; t < T; t++) {
-        const long row = (long)t * H;
+        const char *row = (const char *)h + (long)t * H * esize;
+        char *out_row = (char *)out + (long)t * H * esize;
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < H; i += 8) {
-            __m256 v = load8((const char *)h + (row + i) * esize, is_bf16);
+            __m256 v = load8(row + i * esize, is_bf16);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
-        const float scale = 1.0f / sqrtf(hsum8(acc) / H + eps);
-        for (int i = 0; i < H; i++) {
-            const float normed = round_to(get_elem(h, row + i, is_bf16) * scale, is_bf16);
-            set_elem(out, row + i, get_elem(w, i, is_bf16) * normed, is_bf16);
+        const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / H + eps));
+        for (int i = 0; i < H; i += 8) {
+            const __m256 normed = round_to8(_mm256_mul_ps(load8(row + i * esize, is_bf16), scale), is_bf16);
+            store8(out_row + i * esize, _mm256_mul_ps(load8((const char *)w + i * esize, is_bf16), normed), is_bf16);
         }
     }
 }
@@ -61,19 +62,28 @@ static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *
     }
 }
 
-/* h += y, rounded to the storage dtype */
+/* h += y, rounded to the storage dtype; n % 8 == 0 */
 static void add_into(void *h, const void *y, long n, int is_bf16) {
-    for (long i = 0; i < n; i++) set_elem(h, i, get_elem(h, i, is_bf16) + get_elem(y, i, is_bf16), is_bf16);
+    const int esize = is_bf16 ? 2 : 4;
+    for (long i = 0; i < n; i += 8) {
+        char *p = (char *)h + i * esize;
+        store8(p, _mm256_add_ps(load8(p, is_bf16), load8((const char *)y + i * esize, is_bf16)), is_bf16);
+    }
 }
 
-/* act[t, i] = round(round(silu(gate)) * up), gate_up rows = [gate (I) | up (I)] */
+/* act[t, i] = round(round(silu(gate)) * up), gate_up rows = [gate (I) | up (I)]; I % 8 == 0 */
 static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16) {
-    for (int t = 0; t < T; t++)
-        for (int i = 0; i < I; i++) {
-            const float g = get_elem(gate_up, (long)t * 2 * I + i, is_bf16);
-            const float u = get_elem(gate_up, (long)t * 2 * I + I + i, is_bf16);
-            set_elem(act, (long)t * I + i, round_to(g / (1.0f + expf(-g)), is_bf16) * u, is_bf16);
+    const int esize = is_bf16 ? 2 : 4;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int t = 0; t < T; t++) {
+        const char *gate = (const char *)gate_up + (long)t * 2 * I * esize, *up = gate + (long)I * esize;
+        char *out = (char *)act + (long)t * I * esize;
+        for (int i = 0; i < I; i += 8) {
+            const __m256 g = load8(gate + i * esize, is_bf16);
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+            store8(out + i * esize, _mm256_mul_ps(round_to8(silu, is_bf16), load8(up + i * esize, is_bf16)), is_bf16);
         }
+    }
 }
 
 /* norms: {ln1, ln2} in the storage dtype; linears: {qkv, o, gate_up, down}; qkv_bias float32 or

@@ -16,31 +16,6 @@
 
 #define MAX_GROUP 16          /* query heads per KV head */
 
-/* exp on 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp);
-   exp(-inf) = 0. The same code for every lane, so a value's exp never depends on its
-   neighbours. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-    __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, c1, x);
-    x = _mm256_fnmadd_ps(fx, c2, x);
-    __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(is_tiny, y);
-}
-
 #define KEY_TILE 4            /* keys scored together (independent FMA chains) */
 #define PREFETCH_KEYS 16      /* keys ahead whose K or V rows are prefetched */
 
