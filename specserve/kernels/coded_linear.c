@@ -59,17 +59,17 @@ static inline __attribute__((always_inline)) void expand_table(const uint8_t *re
     w[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w23));
 }
 
-/* NB coded weight rows (row_bytes apart) x R input rows (float32, stride K); each output is
-   the dense blocks' FMA chain (skinny_linear.c) */
+/* NW (<= NB) coded weight rows (row_bytes apart) x R (<= OUT_ROWS) input rows (float32,
+   stride K); each output is the dense blocks' FMA chain (skinny_linear.c) */
 static inline __attribute__((always_inline)) void coded_block(const float *x, const uint8_t *w, long row_bytes,
-        int K, const uint8_t *pf, int R, int format, int to_bf16, float out[NB][MB]) {
+        int K, const uint8_t *pf, int NW, int R, int format, int to_bf16, float out[][OUT_ROWS]) {
     const int rec = coded_record_bytes(format);
-    __m256 acc[NB][MB];
-    for (int i = 0; i < NB; i++)
+    __m256 acc[NB][OUT_ROWS];
+    for (int i = 0; i < NW; i++)
         for (int j = 0; j < R; j++) acc[i][j] = _mm256_setzero_ps();
     for (int b = 0; b < K / CODE_BLOCK; b++) {
         const long offset = (long)b * rec;
-        for (int i = 0; i < NB; i++) {
+        for (int i = 0; i < NW; i++) {
             if (pf) _mm_prefetch((const char *)(pf + i * row_bytes + offset), _MM_HINT_T0);
             __m256 wv[4];
             if (format == CODED_TABLE4) expand_table(w + i * row_bytes + offset, wv);
@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void coded_block(const float *x, co
                     acc[i][j] = _mm256_fmadd_ps(wv[s], _mm256_loadu_ps(x + (long)j * K + b * CODE_BLOCK + s * 8), acc[i][j]);
         }
     }
-    for (int i = 0; i < NB; i++)
+    for (int i = 0; i < NW; i++)
         for (int j = 0; j < R; j++) out[i][j] = hsum8(acc[i][j]);
 }
 
@@ -100,23 +100,31 @@ static void expand_rows(const uint8_t *w, long row_bytes, int K, const uint8_t *
         }
 }
 
+/* R <= 3 rows take all NB weight rows at once; 4 rows take them half a block at a time
+   (NB * 4 accumulators would not fit the 16 vector registers), each record still expanded once */
 #define DEFINE_CODED(NAME, R, FORMAT, TO_BF16)                                                 \
 static void NAME(const float *x, const uint8_t *w, long row_bytes, int K, const uint8_t *pf,  \
-                 float out[NB][MB]) { coded_block(x, w, row_bytes, K, pf, R, FORMAT, TO_BF16, out); }
-DEFINE_CODED(a4_f32_1, 1, CODED_AFFINE4, 0) DEFINE_CODED(a4_f32_2, 2, CODED_AFFINE4, 0)
-DEFINE_CODED(a4_f32_3, 3, CODED_AFFINE4, 0) DEFINE_CODED(a4_bf16_1, 1, CODED_AFFINE4, 1)
-DEFINE_CODED(a4_bf16_2, 2, CODED_AFFINE4, 1) DEFINE_CODED(a4_bf16_3, 3, CODED_AFFINE4, 1)
-DEFINE_CODED(a8_f32_1, 1, CODED_AFFINE8, 0) DEFINE_CODED(a8_f32_2, 2, CODED_AFFINE8, 0)
-DEFINE_CODED(a8_f32_3, 3, CODED_AFFINE8, 0) DEFINE_CODED(a8_bf16_1, 1, CODED_AFFINE8, 1)
-DEFINE_CODED(a8_bf16_2, 2, CODED_AFFINE8, 1) DEFINE_CODED(a8_bf16_3, 3, CODED_AFFINE8, 1)
-DEFINE_CODED(t4_bf16_1, 1, CODED_TABLE4, 1) DEFINE_CODED(t4_bf16_2, 2, CODED_TABLE4, 1)
-DEFINE_CODED(t4_bf16_3, 3, CODED_TABLE4, 1)
+                 float out[NB][OUT_ROWS]) {                                                    \
+    if (R < 4) {                                                                               \
+        coded_block(x, w, row_bytes, K, pf, NB, R, FORMAT, TO_BF16, out);                      \
+        return;                                                                                \
+    }                                                                                          \
+    const long half = (long)(NB / 2) * row_bytes;                                              \
+    coded_block(x, w, row_bytes, K, pf, NB / 2, R, FORMAT, TO_BF16, out);                      \
+    coded_block(x, w + half, row_bytes, K, pf ? pf + half : NULL, NB / 2, R, FORMAT, TO_BF16, out + NB / 2); \
+}
+#define DEFINE_CODED_ROWS(PREFIX, FORMAT, TO_BF16)                                             \
+    DEFINE_CODED(PREFIX##_1, 1, FORMAT, TO_BF16) DEFINE_CODED(PREFIX##_2, 2, FORMAT, TO_BF16)   \
+    DEFINE_CODED(PREFIX##_3, 3, FORMAT, TO_BF16) DEFINE_CODED(PREFIX##_4, 4, FORMAT, TO_BF16)
+DEFINE_CODED_ROWS(a4_f32, CODED_AFFINE4, 0) DEFINE_CODED_ROWS(a4_bf16, CODED_AFFINE4, 1)
+DEFINE_CODED_ROWS(a8_f32, CODED_AFFINE8, 0) DEFINE_CODED_ROWS(a8_bf16, CODED_AFFINE8, 1)
+DEFINE_CODED_ROWS(t4_bf16, CODED_TABLE4, 1)
 
-typedef void (*coded_fn)(const float *, const uint8_t *, long, int, const uint8_t *, float[NB][MB]);
-static const coded_fn CODED_FNS[3][2][MB] = {       /* [format - 1][bfloat16][rows - 1] */
-    {{a4_f32_1, a4_f32_2, a4_f32_3}, {a4_bf16_1, a4_bf16_2, a4_bf16_3}},
-    {{a8_f32_1, a8_f32_2, a8_f32_3}, {a8_bf16_1, a8_bf16_2, a8_bf16_3}},
-    {{NULL, NULL, NULL}, {t4_bf16_1, t4_bf16_2, t4_bf16_3}},
+typedef void (*coded_fn)(const float *, const uint8_t *, long, int, const uint8_t *, float[NB][OUT_ROWS]);
+static const coded_fn CODED_FNS[3][2][CODED_FUSED_ROWS] = {       /* [format - 1][bfloat16][rows - 1] */
+    {{a4_f32_1, a4_f32_2, a4_f32_3, a4_f32_4}, {a4_bf16_1, a4_bf16_2, a4_bf16_3, a4_bf16_4}},
+    {{a8_f32_1, a8_f32_2, a8_f32_3, a8_f32_4}, {a8_bf16_1, a8_bf16_2, a8_bf16_3, a8_bf16_4}},
+    {{NULL, NULL, NULL, NULL}, {t4_bf16_1, t4_bf16_2, t4_bf16_3, t4_bf16_4}},
 };
 
 static inline int coded_supports(int format, int is_bf16) {
@@ -124,6 +132,6 @@ static inline int coded_supports(int format, int is_bf16) {
 }
 
 static void coded_rows(const float *x, const uint8_t *w, long row_bytes, int K, const uint8_t *pf, int r,
-                       int format, int to_bf16, float out[NB][MB]) {
+                       int format, int to_bf16, float out[NB][OUT_ROWS]) {
     CODED_FNS[format - 1][to_bf16][r - 1](x, w, row_bytes, K, pf, out);
 }

@@ -11,7 +11,9 @@
 #include "common.h"
 
 #define NB 4           /* weight rows per block */
-#define MB 3           /* input rows per block */
+#define MB 3           /* input rows per dense block */
+#define CODED_FUSED_ROWS 4   /* input rows per coded block (more: expanded once, then dense blocks) */
+#define OUT_ROWS 4     /* rows of a block's results, max(MB, CODED_FUSED_ROWS) */
 #define PF_BLOCKS 4    /* prefetch distance, in weight blocks */
 
 #include "coded_linear.c"
@@ -30,7 +32,7 @@ typedef struct {
    pf: the same region of a later block to prefetch (NULL: none); pf_step: k per cache line. */
 #define DEFINE_BLOCK(NAME, T, LOAD, R)                                                        \
 static inline void NAME(const float *x, const T *w, int K, const T *pf, int pf_step,         \
-                        float out[NB][MB]) {                                                  \
+                        float out[NB][OUT_ROWS]) {                                                  \
     __m256 acc[NB][R];                                                                        \
     for (int i = 0; i < NB; i++)                                                              \
         for (int j = 0; j < R; j++) acc[i][j] = _mm256_setzero_ps();                          \
@@ -54,12 +56,12 @@ DEFINE_BLOCK(bf16_1, uint16_t, load_bf16, 1)
 DEFINE_BLOCK(bf16_2, uint16_t, load_bf16, 2)
 DEFINE_BLOCK(bf16_3, uint16_t, load_bf16, 3)
 
-static void f32_rows(const float *x, const float *w, int K, const float *pf, int r, float out[NB][MB]) {
+static void f32_rows(const float *x, const float *w, int K, const float *pf, int r, float out[NB][OUT_ROWS]) {
     if (r == 3) f32_3(x, w, K, pf, 16, out);
     else if (r == 2) f32_2(x, w, K, pf, 16, out);
     else f32_1(x, w, K, pf, 16, out);
 }
-static void bf16_rows(const float *x, const uint16_t *w, int K, const uint16_t *pf, int r, float out[NB][MB]) {
+static void bf16_rows(const float *x, const uint16_t *w, int K, const uint16_t *pf, int r, float out[NB][OUT_ROWS]) {
     if (r == 3) bf16_3(x, w, K, pf, 32, out);
     else if (r == 2) bf16_2(x, w, K, pf, 32, out);
     else bf16_1(x, w, K, pf, 32, out);
@@ -69,12 +71,13 @@ static void bf16_rows(const float *x, const uint16_t *w, int K, const uint16_t *
    input rows, into res[M][NB] */
 static void weight_block(const float *xf, const void *w, long row_bytes, int format, int M, int K, int is_bf16,
                          const void *pf, float *scratch, float *res) {
-    float out[NB][MB];
-    if (format && M > MB) {          /* several row groups: expand the codes once (to scratch) */
+    float out[NB][OUT_ROWS];
+    if (format && M > CODED_FUSED_ROWS) {   /* several row groups: expand the codes once (to scratch) */
         expand_rows((const uint8_t *)w, row_bytes, K, (const uint8_t *)pf, format, is_bf16, scratch);
         w = scratch, format = CODED_NONE, is_bf16 = 0, pf = NULL;
     }
-    const int num_mblocks = (M + MB - 1) / MB;
+    const int group_rows = format ? CODED_FUSED_ROWS : MB;
+    const int num_mblocks = (M + group_rows - 1) / group_rows;
     for (int m = 0, blk = 0; m < M; blk++) {
         const int r = (M - m) / (num_mblocks - blk) + ((M - m) % (num_mblocks - blk) != 0);
         const float *xm = xf + (long)m * K;
