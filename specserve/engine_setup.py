@@ -12,8 +12,9 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.cache.radix import RadixCache
 from specserve.config import ConfigError, ModelConfig, ServerArgs
+from specserve.kernels import skinny
 from specserve.loading.default_model import is_default_model
-from specserve.loading.loader import read_checkpoint, resolve_model_path
+from specserve.loading.loader import checkpoint_format, read_checkpoint, resolve_model_path
 from specserve.models.attention import KVCache, get_backend
 from specserve.models.packed_linear import warm_up_packed_linears
 from specserve.runner.memory import plan_kv_budget
@@ -65,6 +66,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         spec = draft = None
     kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
+    extra_bytes += _coded_weight_bytes(model_path, device, dtype)
     budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
                             bytes_per_token=kv_bpt + extra_bpt,
                             min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
@@ -167,6 +169,16 @@ def _draft_bytes(draft, spec, cfg: ModelConfig, dtype: torch.dtype) -> tuple[int
     dcfg = draft[0]
     return model_bytes(dcfg, dtype), KVCache.bytes_per_token(dcfg.num_hidden_layers, dcfg.num_key_value_heads,
                                                              dcfg.head_dim, dtype)
+
+
+def _coded_weight_bytes(model_path: str, device: str, dtype: torch.dtype) -> int:
+    """The code blocks a GGUF's quantized matrices keep beside their dense weights where the
+    CPU kernels run (``models/packed_linear.py``)."""
+    if device != "cpu" or checkpoint_format(model_path) != "gguf" or not skinny.is_available():
+        return 0
+    from specserve.loading.gguf import coded_weight_bytes
+
+    return coded_weight_bytes(model_path, dtype)
 
 
 def _context_len(args: ServerArgs, cfg: ModelConfig) -> int:

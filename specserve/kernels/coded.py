@@ -65,6 +65,13 @@ class BlockCodes:
             return CODED_AFFINE8
         return CODED_TABLE4 if dtype == torch.bfloat16 else CODED_AFFINE4
 
+    @staticmethod
+    def record_bytes(bits: int, dtype: torch.dtype) -> int:
+        """Bytes of one block's kernel record (``coded_linear.c``'s formats) for weights of ``dtype``."""
+        if bits == 8:
+            return 40
+        return 48 if dtype == torch.bfloat16 else 24
+
     def records(self, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, K / 32 * record bytes]: one record per block in the layout
         ``coded_linear.c`` reads for ``kernel_format(dtype)``."""

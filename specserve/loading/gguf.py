@@ -104,6 +104,20 @@ def dequantize_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def coded_weight_bytes(path: str | os.PathLike, dtype: torch.dtype) -> int:
+    """Bytes the CPU kernels' records of this GGUF's Q4_0 / Q4_1 / Q8_0 matrices take in
+    ``dtype`` (kept beside the dense weights; see ``block_codes``). Reads only the header."""
+    from gguf import GGMLQuantizationType as Q
+
+    bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
+    total = 0
+    for tensor in open_gguf(path).tensors:
+        if tensor.tensor_type in bits and len(tensor.shape) == 2:
+            num_blocks = int(tensor.n_elements) // CODE_BLOCK
+            total += num_blocks * BlockCodes.record_bytes(bits[tensor.tensor_type], dtype)
+    return total
+
+
 def block_codes(tensor) -> BlockCodes | None:
     """A Q4_0 / Q4_1 / Q8_0 matrix's blocks as ``BlockCodes`` (values ``scale * code + min``,
     exactly what ``dequantize_tensor`` computes); None for other tensors."""

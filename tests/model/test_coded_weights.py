@@ -7,6 +7,7 @@ import torch
 
 from specserve.engine import Engine
 from specserve.kernels import skinny
+from specserve.loading.gguf import coded_weight_bytes
 from specserve.models.packed_linear import Linear
 
 pytestmark = pytest.mark.skipif(not skinny.is_available(), reason="skinny kernel not built here (no AVX2 or no C compiler)")
@@ -37,6 +38,8 @@ def test_coded_weights_decode_the_dense_tokens(default_gguf_path, dtype):
         num_layers = model.config.num_hidden_layers
         assert len(linears) == 4 * num_layers + 1                       # + the tied lm_head
         assert all(m.coded_records is not None for m in linears)
+        kept = sum(m.coded_records.numel() for m in linears)
+        assert kept == coded_weight_bytes(default_gguf_path, getattr(torch, dtype))   # what the KV budget counts
         coded = _decode(engine)
         _drop_codes(model)
         assert _decode(engine) == coded
