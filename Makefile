@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 30000
-SPEC_ARGS ?= --dtype bfloat16 --speculative-algorithm NGRAM
+SPEC_ARGS ?= --speculative-algorithm NGRAM
 SERVE_ARGS ?=
 
 .PHONY: install serve test test-all bench model clean
