@@ -370,11 +370,21 @@ def _top_k_mass(probs: Tensor, top_k_threshold: Tensor, batch: SamplingBatch) ->
 # ---------------------------------------------------------------- sampling
 
 
+def argmax_rows(values: Tensor) -> Tensor:
+    """``values.argmax(dim=-1)`` of a 2-D tensor, ``[rows]`` int64: the first maximum of each
+    row, a NaN counting as the largest. On CPU through numpy, whose argmax is ~10x faster than
+    torch's reduction over vocabulary-wide rows."""
+    if values.device.type != "cpu" or values.dim() != 2 or values.requires_grad:
+        return values.argmax(dim=-1)
+    array = (values if values.dtype == torch.float32 else values.float()).numpy()
+    return torch.from_numpy(array.argmax(axis=-1).astype("int64", copy=False))
+
+
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Next tokens ``[rows]`` int64: greedy rows argmax, others a draw from ``processed_probs``."""
     penalized = apply_penalties(logits, batch.penalties)  # [rows, vocab]
     if batch.is_all_greedy:
-        return penalized.argmax(dim=-1)
+        return argmax_rows(penalized)
     probs = _probs_from_penalized(penalized, batch)  # greedy rows are one-hot
     return _draw(probs, _uniforms(batch.generators, probs.device))
 

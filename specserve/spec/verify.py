@@ -51,6 +51,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from specserve.runner.sampler import argmax_rows
 from specserve.spec.tree import DraftTree, children_lists
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this a request is verified greedily
@@ -217,7 +218,7 @@ def verify_batch(trees: Sequence[DraftTree], target: Tensor, *, is_probs: bool =
     temps = [0.0] * len(trees) if temperatures is None else list(temperatures)
     is_greedy = [t <= GREEDY_TEMPERATURE for t in temps]
     rows = torch.split(target, num_nodes, dim=0)
-    argmax = torch.split(target.argmax(dim=-1).cpu(), num_nodes) if any(is_greedy) else None
+    argmax = torch.split(argmax_rows(target).cpu(), num_nodes) if any(is_greedy) else None
     results = []
     for r, tree in enumerate(trees):
         if is_greedy[r]:

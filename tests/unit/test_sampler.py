@@ -14,6 +14,7 @@ from specserve.runner.sampler import (
     PenaltyState,
     SamplingBatch,
     apply_penalties,
+    argmax_rows,
     compute_logprobs,
     processed_probs,
     sample,
@@ -97,6 +98,18 @@ def test_all_greedy_is_argmax():
     batch = make_batch([SamplingParams(temperature=0.0)] * 9)
     assert batch.is_all_greedy and not batch.need_top_p_k_min_p
     assert torch.equal(sample(logits, batch), torch.argmax(logits, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_equals_torch_argmax_with_ties_and_nans(dtype):
+    values = torch.randint(-3, 4, (64, 257)).to(dtype)             # many ties: the first maximum
+    values[5, 17] = values[9, 200] = values[9, 3] = float("nan")     # a NaN counts as the largest
+    values[7] = float("-inf")
+    values[11] = torch.tensor(0.0).to(dtype)                         # +0 ties with -0 below
+    values[11, :100] = -0.0
+    expected = torch.tensor([int(row.argmax()) for row in values])  # torch's, one row at a time
+    assert argmax_rows(values).tolist() == expected.tolist()
+    assert argmax_rows(values.t().contiguous().t()).tolist() == expected.tolist()   # strided rows
 
 
 def test_greedy_rows_in_mixed_batch_and_bf16():
