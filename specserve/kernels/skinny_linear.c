@@ -32,7 +32,7 @@ typedef struct {
    pf: the same region of a later block to prefetch (NULL: none); pf_step: k per cache line. */
 #define DEFINE_BLOCK(NAME, T, LOAD, R)                                                        \
 static inline void NAME(const float *x, const T *w, int K, const T *pf, int pf_step,         \
-                        float out[NB][OUT_ROWS]) {                                                  \
+                        float out[NB][OUT_ROWS]) {                                             \
     __m256 acc[NB][R];                                                                        \
     for (int i = 0; i < NB; i++)                                                              \
         for (int j = 0; j < R; j++) acc[i][j] = _mm256_setzero_ps();                          \
