@@ -109,22 +109,28 @@ static void NAME(const float *x, const uint8_t *w, long row_bytes, int K, const 
         coded_block(x, w, row_bytes, K, pf, NB, R, FORMAT, TO_BF16, out);                      \
         return;                                                                                \
     }                                                                                          \
+    if (R > 4) {                                                                               \
+        for (int i = 0; i < NB; i++)                                                           \
+            coded_block(x, w + i * row_bytes, row_bytes, K, pf ? pf + i * row_bytes : NULL, 1, R, FORMAT, TO_BF16, out + i); \
+        return;                                                                                \
+    }                                                                                          \
     const long half = (long)(NB / 2) * row_bytes;                                              \
     coded_block(x, w, row_bytes, K, pf, NB / 2, R, FORMAT, TO_BF16, out);                      \
     coded_block(x, w + half, row_bytes, K, pf ? pf + half : NULL, NB / 2, R, FORMAT, TO_BF16, out + NB / 2); \
 }
 #define DEFINE_CODED_ROWS(PREFIX, FORMAT, TO_BF16)                                             \
     DEFINE_CODED(PREFIX##_1, 1, FORMAT, TO_BF16) DEFINE_CODED(PREFIX##_2, 2, FORMAT, TO_BF16)   \
-    DEFINE_CODED(PREFIX##_3, 3, FORMAT, TO_BF16) DEFINE_CODED(PREFIX##_4, 4, FORMAT, TO_BF16)
+    DEFINE_CODED(PREFIX##_3, 3, FORMAT, TO_BF16) DEFINE_CODED(PREFIX##_4, 4, FORMAT, TO_BF16)   \
+    DEFINE_CODED(PREFIX##_5, 5, FORMAT, TO_BF16) DEFINE_CODED(PREFIX##_6, 6, FORMAT, TO_BF16)   \
+    DEFINE_CODED(PREFIX##_7, 7, FORMAT, TO_BF16) DEFINE_CODED(PREFIX##_8, 8, FORMAT, TO_BF16)
 DEFINE_CODED_ROWS(a4_f32, CODED_AFFINE4, 0) DEFINE_CODED_ROWS(a4_bf16, CODED_AFFINE4, 1)
 DEFINE_CODED_ROWS(a8_f32, CODED_AFFINE8, 0) DEFINE_CODED_ROWS(a8_bf16, CODED_AFFINE8, 1)
 DEFINE_CODED_ROWS(t4_bf16, CODED_TABLE4, 1)
 
 typedef void (*coded_fn)(const float *, const uint8_t *, long, int, const uint8_t *, float[NB][OUT_ROWS]);
 static const coded_fn CODED_FNS[3][2][CODED_FUSED_ROWS] = {       /* [format - 1][bfloat16][rows - 1] */
-    {{a4_f32_1, a4_f32_2, a4_f32_3, a4_f32_4}, {a4_bf16_1, a4_bf16_2, a4_bf16_3, a4_bf16_4}},
-    {{a8_f32_1, a8_f32_2, a8_f32_3, a8_f32_4}, {a8_bf16_1, a8_bf16_2, a8_bf16_3, a8_bf16_4}},
-    {{NULL, NULL, NULL, NULL}, {t4_bf16_1, t4_bf16_2, t4_bf16_3, t4_bf16_4}},
+#define ROWS(P) {P##_1, P##_2, P##_3, P##_4, P##_5, P##_6, P##_7, P##_8}
+    {ROWS(a4_f32), ROWS(a4_bf16)}, {ROWS(a8_f32), ROWS(a8_bf16)}, {{NULL}, ROWS(t4_bf16)},
 };
 
 static inline int coded_supports(int format, int is_bf16) {

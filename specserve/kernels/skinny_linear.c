@@ -12,8 +12,9 @@
 
 #define NB 4           /* weight rows per block */
 #define MB 3           /* input rows per dense block */
-#define CODED_FUSED_ROWS 4   /* input rows per coded block (more: expanded once, then dense blocks) */
-#define OUT_ROWS 4     /* rows of a block's results, max(MB, CODED_FUSED_ROWS) */
+#define CODED_FUSED_ROWS 8   /* most input rows a coded block takes (more: expanded once, then dense blocks) */
+#define FUSED_INPUT_BYTES 40960   /* float32 input rows that fused coded blocks keep in L1 */
+#define OUT_ROWS 8     /* rows of a block's results, max(MB, CODED_FUSED_ROWS) */
 #define PF_BLOCKS 4    /* prefetch distance, in weight blocks */
 
 #include "coded_linear.c"
@@ -67,12 +68,18 @@ static void bf16_rows(const float *x, const uint16_t *w, int K, const uint16_t *
     else bf16_1(x, w, K, pf, 32, out);
 }
 
+/* Whether coded weights run fused over all M input rows: up to 4 rows always; up to
+   CODED_FUSED_ROWS while those rows stay in L1 (each weight row reads them all) */
+static inline int fuses_rows(int M, int K) {
+    return M <= 4 || (M <= CODED_FUSED_ROWS && (long)M * K * 4 <= FUSED_INPUT_BYTES);
+}
+
 /* one block of NB weight rows (row_bytes apart; format: CODED_NONE for dense) against all M
    input rows, into res[M][NB] */
 static void weight_block(const float *xf, const void *w, long row_bytes, int format, int M, int K, int is_bf16,
                          const void *pf, float *scratch, float *res) {
     float out[NB][OUT_ROWS];
-    if (format && M > CODED_FUSED_ROWS) {   /* several row groups: expand the codes once (to scratch) */
+    if (format && !fuses_rows(M, K)) {      /* several row groups: expand the codes once (to scratch) */
         expand_rows((const uint8_t *)w, row_bytes, K, (const uint8_t *)pf, format, is_bf16, scratch);
         w = scratch, format = CODED_NONE, is_bf16 = 0, pf = NULL;
     }
