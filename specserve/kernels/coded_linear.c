@@ -100,8 +100,9 @@ static void expand_rows(const uint8_t *w, long row_bytes, int K, const uint8_t *
         }
 }
 
-/* R <= 3 rows take all NB weight rows at once; 4 rows take them half a block at a time
-   (NB * 4 accumulators would not fit the 16 vector registers), each record still expanded once */
+/* Every record is expanded once, whatever R: R <= 3 rows take all NB weight rows at once;
+   4 rows half a block at a time (NB * 4 accumulators would not fit the 16 vector registers);
+   5-8 rows one weight row at a time (R accumulators, the 4 expanded vectors, inputs from L1) */
 #define DEFINE_CODED(NAME, R, FORMAT, TO_BF16)                                                 \
 static void NAME(const float *x, const uint8_t *w, long row_bytes, int K, const uint8_t *pf,  \
                  float out[NB][OUT_ROWS]) {                                                    \
@@ -131,6 +132,7 @@ typedef void (*coded_fn)(const float *, const uint8_t *, long, int, const uint8_
 static const coded_fn CODED_FNS[3][2][CODED_FUSED_ROWS] = {       /* [format - 1][bfloat16][rows - 1] */
 #define ROWS(P) {P##_1, P##_2, P##_3, P##_4, P##_5, P##_6, P##_7, P##_8}
     {ROWS(a4_f32), ROWS(a4_bf16)}, {ROWS(a8_f32), ROWS(a8_bf16)}, {{NULL}, ROWS(t4_bf16)},
+#undef ROWS
 };
 
 static inline int coded_supports(int format, int is_bf16) {

@@ -59,16 +59,19 @@ def test_rows_map_and_concatenate():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0])
-def test_kernel_over_codes_gives_the_dense_bits(dtype, kind):
-    """Every row count, with a bias and a partial last weight block (13 outputs)."""
-    codes = block_codes(_gguf_tensor(kind, 13, 96, seed=3))
+@pytest.mark.parametrize("cols", [96, 1536])
+def test_kernel_over_codes_gives_the_dense_bits(dtype, kind, cols):
+    """Every path (1-4 rows fused, 5-8 rows fused while their inputs fit L1, else expanded
+    to scratch: 1536 inputs at 7-8 rows, and 9 or more rows), with a bias and a partial last
+    weight block (13 outputs)."""
+    codes = block_codes(_gguf_tensor(kind, 13, cols, seed=3))
     weight = codes.expand().to(dtype).contiguous()
     records = codes.records(dtype)
     coded = skinny.linear_weights(weight, records, codes.kernel_format(dtype), coded_max_rows=100)
     generator = torch.Generator().manual_seed(7)
     bias = torch.randn(13, generator=generator)
-    for rows in (1, 2, 3, 4, 5, 9, 40):
-        x = torch.randn(rows, 96, generator=generator).to(dtype)
+    for rows in (*range(1, 10), 40):
+        x = torch.randn(rows, cols, generator=generator).to(dtype)
         got = skinny.linear_forward(x, coded, weight.shape, bias)
         assert torch.equal(_bits(got), _bits(skinny.skinny_linear(x, weight, bias)))
         expected = F.linear(x.double(), weight.double(), bias.double())
