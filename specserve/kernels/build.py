@@ -3,7 +3,8 @@
 ``cpu_kernels.c`` (which includes the other C files here) is compiled on first use with
 the C compiler (``$CC`` or ``cc``; AVX2 + FMA, OpenMP) into ``$SPECSERVE_CACHE/kernels``
 (default ``~/.cache/specserve/kernels``), named by a hash of every C source and header
-here and the flags, and reused. ``load()`` returns None where it cannot be built or
+here and the flags, and reused; building a new version deletes other versions' builds
+older than a week. ``load()`` returns None where it cannot be built or
 loaded (no compiler, a CPU without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep
 torch's kernels.
 """
@@ -16,6 +17,7 @@ import logging
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +33,7 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 SOURCE_DIR = Path(__file__).parent
 LIBRARY = "cpu_kernels"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}    # common.h: DTYPE_F32, DTYPE_BF16
+STALE_BUILD_AGE_S = 7 * 24 * 3600     # other versions' builds older than this are deleted
 
 
 def cache_dir() -> Path:
@@ -80,4 +83,17 @@ def _build(source_path: Path) -> Path:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[:500]}")
         os.replace(built, target)
     logger.info("built kernel %s", target)
+    remove_stale_builds(target)
     return target
+
+
+def remove_stale_builds(current: Path, max_age_s: float = STALE_BUILD_AGE_S) -> None:
+    """Delete builds of other source versions older than ``max_age_s`` (each source change
+    leaves one; a build another checkout still uses is rebuilt on its next start)."""
+    cutoff = time.time() - max_age_s
+    for path in current.parent.glob(f"{LIBRARY}-*.so"):
+        try:
+            if path != current and path.stat().st_mtime < cutoff:
+                path.unlink()
+        except OSError:                     # removed by a concurrent builder
+            pass
