@@ -17,6 +17,16 @@ import torch
 
 CODE_BLOCK = 32
 CODED_AFFINE4, CODED_AFFINE8, CODED_TABLE4 = 1, 2, 3       # coded_linear.c's formats
+RECORD_BYTES = {CODED_AFFINE4: 24, CODED_AFFINE8: 40, CODED_TABLE4: 48}   # its coded_record_bytes
+
+
+def kernel_format_for(bits: int, dtype: torch.dtype) -> int:
+    """The ``coded_linear.c`` format for ``bits``-bit codes of weights of ``dtype``: 4-bit codes
+    look bfloat16 values up in a per-block table, float32 ones are computed; 8-bit ones are
+    computed."""
+    if bits == 8:
+        return CODED_AFFINE8
+    return CODED_TABLE4 if dtype == torch.bfloat16 else CODED_AFFINE4
 
 
 @dataclass
@@ -59,18 +69,7 @@ class BlockCodes:
                           torch.cat([p.mins for p in parts]), parts[0].bits)
 
     def kernel_format(self, dtype: torch.dtype) -> int:
-        """The ``coded_linear.c`` format for weights of ``dtype``: 4-bit codes look bfloat16
-        values up in a per-block table, float32 ones are computed; 8-bit ones are computed."""
-        if self.bits == 8:
-            return CODED_AFFINE8
-        return CODED_TABLE4 if dtype == torch.bfloat16 else CODED_AFFINE4
-
-    @staticmethod
-    def record_bytes(bits: int, dtype: torch.dtype) -> int:
-        """Bytes of one block's kernel record (``coded_linear.c``'s formats) for weights of ``dtype``."""
-        if bits == 8:
-            return 40
-        return 48 if dtype == torch.bfloat16 else 24
+        return kernel_format_for(self.bits, dtype)
 
     def records(self, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, K / 32 * record bytes]: one record per block in the layout

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specserve.config import ModelConfig
-from specserve.kernels.coded import CODE_BLOCK, BlockCodes
+from specserve.kernels.coded import CODE_BLOCK, RECORD_BYTES, BlockCodes, kernel_format_for
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
@@ -114,7 +114,7 @@ def coded_weight_bytes(path: str | os.PathLike, dtype: torch.dtype) -> int:
     for tensor in open_gguf(path).tensors:
         if tensor.tensor_type in bits and len(tensor.shape) == 2:
             num_blocks = int(tensor.n_elements) // CODE_BLOCK
-            total += num_blocks * BlockCodes.record_bytes(bits[tensor.tensor_type], dtype)
+            total += num_blocks * RECORD_BYTES[kernel_format_for(bits[tensor.tensor_type], dtype)]
     return total
 
 
