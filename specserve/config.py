@@ -60,7 +60,7 @@ class ServerArgs:
     attention_backend: str | None = None
     enable_torch_compile: bool = False
     disable_cuda_graph: bool = False
-    # speculative decoding (see specserve/spec)
+    # speculative decoding (see specserve/speculative)
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_draft_model_revision: str | None = None

@@ -20,7 +20,7 @@ from specserve.models.packed_linear import warm_up_packed_linears
 from specserve.runner.memory import plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype
 from specserve.scheduler import Scheduler
-from specserve.spec.params import resolve_spec_params
+from specserve.speculative.params import resolve_spec_params
 from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
                 num_pages * args.page_size * kv_bpt / 2**30, context_len)
     spec_worker = None
     if spec is not None:
-        from specserve.spec.base import ProposerContext, create_spec_worker
+        from specserve.speculative.base import ProposerContext, create_spec_worker
 
         try:
             spec_worker = create_spec_worker(ProposerContext(args, spec, cfg, runner, pool, max_running,

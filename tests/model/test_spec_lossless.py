@@ -51,7 +51,7 @@ def _always(build):
 def truncated_draft(default_gguf_path, tmp_path_factory) -> str:
     import torch
 
-    from specserve.spec.truncated_draft import write_truncated_draft
+    from specserve.speculative.truncated_draft import write_truncated_draft
 
     out = tmp_path_factory.mktemp("draft8")
     return str(write_truncated_draft(default_gguf_path, out, num_layers=8, dtype=torch.bfloat16))

@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from specserve.spec import dynamic_tree as dt
-from specserve.spec.tree import DraftTree, tree_mask
+from specserve.speculative import dynamic_tree as dt
+from specserve.speculative.tree import DraftTree, tree_mask
 
 V = 6
 

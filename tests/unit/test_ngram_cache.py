@@ -6,8 +6,8 @@ import random
 import pytest
 
 from specserve.config import ServerArgs
-from specserve.spec.ngram_cache import NgramCache
-from specserve.spec.tree import depths
+from specserve.speculative.ngram_cache import NgramCache
+from specserve.speculative.tree import depths
 
 
 def _shape(tree) -> tuple[list[int], list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.config import ConfigError, ModelConfig, ServerArgs
-from specserve.spec.params import resolve_spec_params
+from specserve.speculative.params import resolve_spec_params
 
 LLAMA = ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -101,7 +101,7 @@ def test_eagle_family_auto_choice():
         params = _resolve(speculative_algorithm=algo)
         assert (params.num_steps, params.topk, params.num_draft_tokens) == (5, 4, 8)
         assert params.algorithm == ("EAGLE3" if algo == "EAGLE3" else "EAGLE")
-    from specserve.spec.params import auto_choose
+    from specserve.speculative.params import auto_choose
     assert auto_choose("EAGLE", LLAMA.architecture) == (5, 4, 8)
     assert auto_choose("EAGLE3", QWEN.architecture) == (3, 1, 4)
     with pytest.raises(ConfigError, match="too large"):
@@ -126,7 +126,7 @@ def test_measured_shapes_of_the_shipped_drafts_are_valid():
     import torch
 
     from specserve.drafts import MEASURED_SHAPES, measured_shape
-    from specserve.spec.params import _check_shape
+    from specserve.speculative.params import _check_shape
 
     for (algorithm, dtype), shape in MEASURED_SHAPES.items():
         assert measured_shape(algorithm.lower(), "cpu", dtype) == shape

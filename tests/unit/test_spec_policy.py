@@ -1,7 +1,7 @@
 """The speculation policy on synthetic cost curves."""
 from __future__ import annotations
 
-from specserve.spec.policy import (PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve, RequestPolicyState, SpecPolicy,
+from specserve.speculative.policy import (PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve, RequestPolicyState, SpecPolicy,
                                    expected_tokens, measure_cost_curve)
 
 # memory-bound up to 16 tokens, then linear (a GPU-like curve, in ms)
@@ -66,7 +66,7 @@ def test_root_only_trees_never_count():
 
 
 def test_probe_backoff_doubles_and_caps(monkeypatch):
-    import specserve.spec.policy as policy_module
+    import specserve.speculative.policy as policy_module
 
     monkeypatch.setattr(policy_module, "PROBE_BUDGET", (1.0, 1.0))     # credit is never the limit here
     policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
@@ -79,7 +79,7 @@ def test_probe_backoff_doubles_and_caps(monkeypatch):
 
 
 def test_probes_spend_a_bounded_share_of_step_time():
-    from specserve.spec.policy import PROBE_BUDGET
+    from specserve.speculative.policy import PROBE_BUDGET
 
     policy = SpecPolicy(CostCurve([1, 256, 1024], [10.0, 10.5, 40.0]), lambda k: 0.0, num_draft_tokens=12)
     states = [_state(0.0, backoff=0) for _ in range(16)]

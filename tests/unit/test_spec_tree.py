@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from specserve.spec.tree import (DraftTree, chain, children_lists, depths, is_leaf, pack_trees, positions,
+from specserve.speculative.tree import (DraftTree, chain, children_lists, depths, is_leaf, pack_trees, positions,
                                  retrieve_indices, root_only, subtree, tree_mask, truncate_tree)
 
 #        0

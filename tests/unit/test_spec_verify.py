@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from specserve.spec.tree import DraftTree, chain, root_only
-from specserve.spec.verify import (AcceptResult, emitted_tokens, greedy_accept, sample_accept,
+from specserve.speculative.tree import DraftTree, chain, root_only
+from specserve.speculative.verify import (AcceptResult, emitted_tokens, greedy_accept, sample_accept,
                                    verify_batch)
 
 # ---- greedy -----------------------------------------------------------------------

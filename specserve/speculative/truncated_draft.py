@@ -2,7 +2,7 @@
 embeddings, final norm and head), written as an HF directory with the target's
 tokenizer.
 
-    python -m specserve.spec.truncated_draft --layers 8 --out /tmp/draft8 [--last 4] [--model-path X.gguf]
+    python -m specserve.speculative.truncated_draft --layers 8 --out /tmp/draft8 [--last 4] [--model-path X.gguf]
 
 ``--layers L`` keeps L layers: the first ``L - last`` and the last ``last`` ones
 (``--last 0``: a plain early-exit copy of the first L layers). Keeping the last

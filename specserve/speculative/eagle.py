@@ -30,11 +30,11 @@ from torch import Tensor
 from specserve.core import Request
 from specserve.runner.head_runner import HeadRunner
 from specserve.runner.model_runner import ExtendSpec
-from specserve.spec import dynamic_tree as dt
-from specserve.spec.base import ProposerContext
-from specserve.spec.mirrored_draft import MirroredDraftProposer
-from specserve.spec.state import spec_state, tail_ids
-from specserve.spec.tree import DraftTree, truncate_tree
+from specserve.speculative import dynamic_tree as dt
+from specserve.speculative.base import ProposerContext
+from specserve.speculative.mirrored_draft import MirroredDraftProposer
+from specserve.speculative.state import spec_state, tail_ids
+from specserve.speculative.tree import DraftTree, truncate_tree
 
 
 class EagleProposer(MirroredDraftProposer):

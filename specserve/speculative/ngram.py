@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 
 from specserve.core import Request
-from specserve.spec.base import Proposer, ProposerContext
-from specserve.spec.ngram_cache import NgramCache
-from specserve.spec.state import spec_state, tail_ids
-from specserve.spec.tree import DraftTree
+from specserve.speculative.base import Proposer, ProposerContext
+from specserve.speculative.ngram_cache import NgramCache
+from specserve.speculative.state import spec_state, tail_ids
+from specserve.speculative.tree import DraftTree
 
 COST_EMA_WEIGHT = 0.1
 

@@ -9,8 +9,8 @@ from typing import Callable
 import torch
 
 from specserve.core import Request
-from specserve.spec.base import Proposer, ProposerContext, sync_fn
-from specserve.spec.policy import CostCurve, measure_cost_curve
+from specserve.speculative.base import Proposer, ProposerContext, sync_fn
+from specserve.speculative.policy import CostCurve, measure_cost_curve
 
 
 class MirroredDraftProposer(Proposer):

@@ -25,10 +25,10 @@ from torch import Tensor
 from specserve.core import Request, TokenResult
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.sampler import SamplingBatch, compute_logprobs, processed_probs, sample
-from specserve.spec.params import SpecParams
-from specserve.spec.state import spec_state
-from specserve.spec.tree import DraftTree, depths, tree_mask
-from specserve.spec.verify import AcceptResult, greedy_accept, sample_accept
+from specserve.speculative.params import SpecParams
+from specserve.speculative.state import spec_state
+from specserve.speculative.tree import DraftTree, depths, tree_mask
+from specserve.speculative.verify import AcceptResult, greedy_accept, sample_accept
 
 
 # ---- forward ----------------------------------------------------------------------

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from specserve.runner.sampler import argmax_rows
-from specserve.spec.tree import DraftTree, children_lists
+from specserve.speculative.tree import DraftTree, children_lists
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this a request is verified greedily
 

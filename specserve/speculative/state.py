@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from specserve.core import Request
-from specserve.spec.policy import RequestPolicyState
+from specserve.speculative.policy import RequestPolicyState
 
 
 @dataclass

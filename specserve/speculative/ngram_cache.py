@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specserve.spec.tree import DraftTree
+from specserve.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from specserve.config import ServerArgs

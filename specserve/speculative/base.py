@@ -9,7 +9,7 @@ The engine calls, per step:
   verification -> KV compaction -> stats. Returns ``{rid: TokenResult}``.
 
 A proposer sees only its own state (``req.spec_state.proposer``) and the
-engine's public parts (scheduler rows, runner, pool); it imports spec/base,
+engine's public parts (scheduler rows, runner, pool); it imports speculative/base,
 tree and verify, never another proposer.
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from specserve.core import TokenResult
-from specserve.spec import target_verify as tv
-from specserve.spec.params import SpecParams
-from specserve.spec.policy import CostCurve, SpecPolicy, measure_cost_curve
-from specserve.spec.state import RequestSpecState, spec_state, tail_ids  # noqa: F401 (re-export)
-from specserve.spec.tree import DraftTree, depths, root_only, truncate_tree
-from specserve.spec.verify import AcceptResult, emitted_tokens
+from specserve.speculative import target_verify as tv
+from specserve.speculative.params import SpecParams
+from specserve.speculative.policy import CostCurve, SpecPolicy, measure_cost_curve
+from specserve.speculative.state import RequestSpecState, spec_state, tail_ids  # noqa: F401 (re-export)
+from specserve.speculative.tree import DraftTree, depths, root_only, truncate_tree
+from specserve.speculative.verify import AcceptResult, emitted_tokens
 
 if TYPE_CHECKING:
     from specserve.cache.block_pool import BlockPool
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROPOSERS = {
-    "NGRAM": ("specserve.spec.ngram", "NgramProposer"),
-    "STANDALONE": ("specserve.spec.draft_model", "DraftModelProposer"),
-    "EAGLE": ("specserve.spec.eagle", "EagleProposer"),
-    "EAGLE3": ("specserve.spec.eagle", "EagleProposer"),
+    "NGRAM": ("specserve.speculative.ngram", "NgramProposer"),
+    "STANDALONE": ("specserve.speculative.draft_model", "DraftModelProposer"),
+    "EAGLE": ("specserve.speculative.eagle", "EagleProposer"),
+    "EAGLE3": ("specserve.speculative.eagle", "EagleProposer"),
 }
 COST_WIDTHS_REQUIRED = (1, 3, 4, 16)   # float32 CPU: up to 3 rows cost about 1, 4 jumps
 COST_WIDTHS_OPTIONAL = (8, 64, 256)

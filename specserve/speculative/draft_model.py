@@ -37,11 +37,11 @@ import torch
 
 from specserve.core import Request
 from specserve.runner.model_runner import ExtendSpec, ModelRunner
-from specserve.spec import dynamic_tree as dt
-from specserve.spec.base import ProposerContext
-from specserve.spec.mirrored_draft import MirroredDraftProposer
-from specserve.spec.state import spec_state, tail_ids
-from specserve.spec.tree import DraftTree, truncate_tree
+from specserve.speculative import dynamic_tree as dt
+from specserve.speculative.base import ProposerContext
+from specserve.speculative.mirrored_draft import MirroredDraftProposer
+from specserve.speculative.state import spec_state, tail_ids
+from specserve.speculative.tree import DraftTree, truncate_tree
 
 
 class DraftModelProposer(MirroredDraftProposer):
