@@ -15,6 +15,7 @@ from typing import Any
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}      # SGLang's other spellings
 
 
 def cache_root() -> Path:
@@ -37,6 +38,8 @@ class ServerArgs:
     context_length: int | None = None
     trust_remote_code: bool = False
     load_format: str = "auto"
+    revision: str | None = None
+    quantization: str | None = None
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -46,6 +49,23 @@ class ServerArgs:
     random_seed: int | None = None
     # parallelism
     tp_size: int = 1
+    dp_size: int = 1
+    # compute backend (specserve/backends/jax: the JAX model runner; jax.sharding for --tp-size)
+    backend: str = field(default="torch", metadata={
+        "group": "runtime and kernels", "choices": ("torch", "jax"),
+        "help": "Model runner: torch, or jax (pip install -e .[jax]; --tp-size shards it over JAX devices)."})
+    precompile_token_paddings: str | None = field(default=None, metadata={
+        "group": "runtime and kernels",
+        "help": "--backend jax: prefill tokens-per-request buckets compiled before serving, e.g. '16,64,256,512' "
+                "(SGL-JAX's flag). Default: 16,64,128,256,512."})
+    precompile_bs_paddings: str | None = field(default=None, metadata={
+        "group": "runtime and kernels",
+        "help": "--backend jax: batch-size buckets of decode and verify compiled before serving, e.g. '1,2,4,8' "
+                "(SGL-JAX's flag). Default: 1,2,4,8,16,32,64 up to --max-running-requests."})
+    disable_precompile: bool = field(default=False, metadata={
+        "group": "runtime and kernels",
+        "help": "--backend jax: compile each bucket on first use instead of before serving."})
+    enable_dp_attention: bool = False
     # memory and scheduling
     mem_fraction_static: float | None = None
     max_running_requests: int | None = None
@@ -59,7 +79,10 @@ class ServerArgs:
     # attention and compilation
     attention_backend: str | None = None
     enable_torch_compile: bool = False
+    torch_compile_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    disable_overlap_schedule: bool = False
     # speculative decoding (see specserve/speculative)
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -72,6 +95,12 @@ class ServerArgs:
     speculative_accept_threshold_acc: float = 1.0
     speculative_token_map: str | None = None
     speculative_attention_mode: str = "prefill"
+    speculative_draft_model_quantization: str | None = None
+    speculative_draft_attention_backend: str | None = None
+    speculative_moe_runner_backend: str | None = None
+    speculative_moe_a2a_backend: str | None = None
+    enable_multi_layer_eagle: bool = False
+    speculative_policy: str = "auto"
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_min_bfs_breadth: int = 1
@@ -84,8 +113,11 @@ class ServerArgs:
         self._validate_basic()
 
     def _validate_basic(self) -> None:
-        if self.tp_size != 1:
-            raise ConfigError("--tp-size: only 1 is supported (no tensor parallelism yet)")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        check_choices(self)
+        if self.tp_size < 1 or (self.tp_size != 1 and self.backend != "jax"):
+            raise ConfigError("--tp-size: only 1 is supported with --backend torch (tensor parallelism runs "
+                              "with --backend jax)")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -106,6 +138,7 @@ class ServerArgs:
             raise ConfigError("--port must be in [1, 65535]")
         if self.schedule_policy != "fcfs":
             raise ConfigError("--schedule-policy: only 'fcfs' is supported")
+        check_counts(self)
         if self.speculative_algorithm is not None:
             algo = self.speculative_algorithm.upper()
             if algo not in SPEC_ALGORITHMS:
@@ -123,14 +156,10 @@ class ServerArgs:
     # ---- argparse bridge -------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=default)
-                continue
-            parser.add_argument(flag, type=_arg_type(f.type), default=default,
-                                metavar=f.name.upper())
+        """Every field as a flag, grouped and described as ``specserve/flags.py`` declares."""
+        from specserve.cli_args import add_server_flags
+
+        add_server_flags(parser, dataclasses.fields(ServerArgs))
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
@@ -146,13 +175,30 @@ class ServerArgs:
         return cls(**kwargs)
 
 
-def _arg_type(type_name: Any):
-    text = str(type_name)
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str
+def check_choices(args: ServerArgs) -> None:
+    """Values of flags with a fixed set (``flags.FLAG_DOCS``), case as the set spells them."""
+    from specserve.flags import FLAG_DOCS, normalize_choice
+
+    for f in dataclasses.fields(args):
+        doc = FLAG_DOCS.get(f.name)
+        choices = doc.choices if doc else f.metadata.get("choices")
+        value = getattr(args, f.name)
+        if not choices or value is None:
+            continue
+        normalized = normalize_choice(str(value), choices)
+        if normalized not in choices:
+            raise ConfigError(f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}; got {value!r}")
+        setattr(args, f.name, normalized)
+
+
+def check_counts(args: ServerArgs) -> None:
+    """Sizes SGLang takes as positive counts."""
+    for name in ("dp_size", "stream_interval", "cuda_graph_max_bs", "torch_compile_max_bs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+    if args.decode_log_interval < 0:
+        raise ConfigError(f"--decode-log-interval must be >= 0; got {args.decode_log_interval}")
 
 
 @dataclass

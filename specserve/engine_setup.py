@@ -14,10 +14,14 @@ from specserve.cache.radix import RadixCache
 from specserve.config import ConfigError, ModelConfig, ServerArgs
 from specserve.kernels import skinny
 from specserve.loading.default_model import is_default_model
-from specserve.loading.loader import checkpoint_format, read_checkpoint, resolve_model_path
+from specserve.flag_notes import startup_notes
+from specserve.flags import LOCAL_ATTENTION_BACKENDS
+from specserve.loading.hub import resolve_file
+from specserve.loading.loader import (check_architecture, check_load_format, checkpoint_format, read_checkpoint,
+                                      resolve_model_path)
 from specserve.models.attention import KVCache, get_backend
-from specserve.models.packed_linear import warm_up_packed_linears
-from specserve.runner.memory import plan_kv_budget
+from specserve.models.packed_linear import has_packed_kernels, warm_up_packed_linears
+from specserve.runner.memory import MemoryBudgetError, plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype
 from specserve.scheduler import Scheduler
 from specserve.speculative.params import resolve_spec_params
@@ -51,8 +55,9 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         raise ConfigError("--device cuda: no CUDA device is available")
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
-    model_path = resolve_model_path(args.model_path)
-    cfg, weights = read_checkpoint(model_path)
+    args = _prepare_args(args, device)
+    model_path = args.model_path or resolve_model_path(None)
+    cfg, weights = _read_target(args, model_path)
     tokenizer = Tokenizer.load(args.tokenizer_path or model_path)
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
@@ -67,10 +72,13 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
     extra_bytes += _coded_weight_bytes(model_path, device, dtype)
-    budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
-                            bytes_per_token=kv_bpt + extra_bpt,
-                            min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
-                            max_total_tokens=args.max_total_tokens)
+    try:
+        budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
+                                bytes_per_token=kv_bpt + extra_bpt,
+                                min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
+                                max_total_tokens=args.max_total_tokens)
+    except MemoryBudgetError as exc:
+        raise ConfigError(f"{exc} With speculation, fewer --speculative-num-draft-tokens also help.") from None
     num_pages = budget.num_tokens // args.page_size
     if num_pages * args.page_size < context_len + spec_width:
         context_len = num_pages * args.page_size - spec_width
@@ -79,14 +87,11 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         logger.warning("context length lowered to %d to fit --max-total-tokens", context_len)
     max_running = args.max_running_requests or DEFAULT_MAX_RUNNING["cuda" if device.startswith("cuda") else "cpu"]
     try:
-        backend = get_backend(args.attention_backend)
+        backend = get_backend(args.attention_backend if args.attention_backend in LOCAL_ATTENTION_BACKENDS else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    runner = ModelRunner(cfg, weights, dtype=dtype, device=device, max_position=context_len + spec_width + 1,
-                         num_kv_slots=num_pages * args.page_size, page_size=args.page_size,
-                         max_rows=max_running, max_row_len=context_len + spec_width + args.page_size)
-    runner.model.backend = backend
-    warm_up_packed_linears(runner.model, min(max_running * spec_width, WARM_UP_MAX_ROWS))
+    runner = _build_runner(args, cfg, weights, dtype, device, backend, context_len, spec_width,
+                           num_pages * args.page_size, max_running, spec)
     pool = BlockPool(num_pages, args.page_size)
     radix = RadixCache(pool, disabled=args.disable_radix_cache)
     logger.info("model %s loaded: %s on %s, KV cache %d tokens (%.2f GiB), context %d",
@@ -106,6 +111,72 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
                           num_rows=max_running, decode_width=spec_width if spec_worker else 1)
     return EngineParts(model_path, cfg, tokenizer, runner, pool, radix, scheduler, context_len, device,
                        spec_worker)
+
+
+def _build_runner(args: ServerArgs, cfg: ModelConfig, weights, dtype: torch.dtype, device: str, attention,
+                  context_len: int, spec_width: int, num_kv_slots: int, max_running: int, spec):
+    """The model runner ``--backend`` names: torch (``ModelRunner``), or jax (``backends/jax``,
+    imported only then: nothing on the torch path imports jax)."""
+    max_position, max_row_len = context_len + spec_width + 1, context_len + spec_width + args.page_size
+    if args.backend == "jax":
+        from specserve.backends.jax.engine_hook import build_jax_runner
+
+        return build_jax_runner(args, cfg, weights, dtype=dtype, max_position=max_position,
+                                num_kv_slots=num_kv_slots, max_rows=max_running, max_row_len=max_row_len,
+                                chunk_size=_chunk_size(args, device), spec_width=spec_width,
+                                spec_algorithm=spec.algorithm if spec else None)
+    runner = ModelRunner(cfg, weights, dtype=dtype, device=device, max_position=max_position,
+                         num_kv_slots=num_kv_slots, page_size=args.page_size, max_rows=max_running,
+                         max_row_len=max_row_len)
+    runner.model.backend = attention
+    warm_up_packed_linears(runner.model, min(max_running * spec_width, WARM_UP_MAX_ROWS))
+    return runner
+
+
+def _prepare_args(args: ServerArgs, device: str) -> ServerArgs:
+    """Log what inapplicable flags do here; resolve paths; check the draft's load format."""
+    for line in startup_notes(args):
+        logger.info("%s", line)
+    args = _local_paths(args, device)
+    if args.speculative_draft_model_path is not None:
+        check_load_format(args.speculative_draft_model_path, args.speculative_draft_load_format,
+                          "--speculative-draft-load-format")
+    return args
+
+
+def _local_paths(args: ServerArgs, device: str) -> ServerArgs:
+    """Hub ids of the model, tokenizer, draft and token map resolved to local paths (ConfigError
+    naming the flag otherwise); ``--dtype float16`` on a CPU mapped to float32, logged."""
+    changes: dict[str, Any] = {}
+    if args.model_path is not None:
+        changes["model_path"] = resolve_model_path(args.model_path, args.revision)
+    if args.tokenizer_path is not None:
+        changes["tokenizer_path"] = resolve_model_path(args.tokenizer_path, args.revision, "--tokenizer-path")
+    if args.speculative_draft_model_path is not None:
+        changes["speculative_draft_model_path"] = resolve_model_path(
+            args.speculative_draft_model_path, args.speculative_draft_model_revision,
+            "--speculative-draft-model-path")
+    if args.speculative_token_map is not None:
+        changes["speculative_token_map"] = resolve_file(args.speculative_token_map, "--speculative-token-map",
+                                                        args.speculative_draft_model_revision)
+    if args.dtype == "float16" and device == "cpu":
+        logger.info("--dtype float16: this CPU build has no fast float16 kernels; running float32 "
+                    "(what --dtype auto picks on CPU)")
+        changes["dtype"] = "float32"
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+def _read_target(args: ServerArgs, model_path: str):
+    """(config, weights) of the target, with every problem a ConfigError naming --model-path."""
+    try:
+        check_load_format(model_path, args.load_format)
+        cfg, weights = read_checkpoint(model_path)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"--model-path {args.model_path or model_path}: {exc}") from None
+    check_architecture(cfg, model_path)
+    return cfg, weights
 
 
 def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: torch.dtype) -> ServerArgs:
@@ -175,6 +246,8 @@ def _coded_weight_bytes(model_path: str, device: str, dtype: torch.dtype) -> int
     """The code blocks a GGUF's quantized matrices keep beside their dense weights where the
     CPU kernels run (``models/packed_linear.py``)."""
     if device != "cpu" or checkpoint_format(model_path) != "gguf" or not skinny.is_available():
+        return 0
+    if dtype == torch.bfloat16 and has_packed_kernels(dtype):     # bfloat16 linears run oneDNN, not codes
         return 0
     from specserve.loading.gguf import coded_weight_bytes
 

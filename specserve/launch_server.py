@@ -18,7 +18,10 @@ READY_MESSAGE = "The server is fired up and ready to roll!"
 
 
 def build_parser(prog: str = "python -m specserve.launch_server") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="specserve OpenAI-compatible HTTP server")
+    parser = argparse.ArgumentParser(
+        prog=prog, usage="%(prog)s [--model-path MODEL] [--speculative-algorithm ALGO] [options]",
+        description="specserve: an OpenAI-compatible LLM server built around speculative decoding. "
+                    "Flags follow SGLang's launch_server; see README.md for usage.")
     ServerArgs.add_cli_args(parser)
     return parser
 

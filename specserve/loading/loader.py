@@ -7,18 +7,43 @@ from typing import Iterator
 
 import torch
 
-from specserve.config import ModelConfig
+from specserve.config import ConfigError, ModelConfig
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
 
-def resolve_model_path(model_path: str | None) -> str:
-    """``model_path`` itself, or the default model's GGUF (fetched if needed) when None."""
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MiMoForCausalLM")
+
+
+def resolve_model_path(model_path: str | None, revision: str | None = None,
+                       flag: str = "--model-path") -> str:
+    """A local path for ``model_path`` (a Hub id is downloaded into the HF cache), or the default
+    model's GGUF (fetched if needed) when None. Errors are ``ConfigError`` naming ``flag``."""
     if model_path is None:
         from specserve.loading.default_model import ensure_default_model
 
         return ensure_default_model()
-    return os.fspath(model_path)
+    from specserve.loading.hub import resolve_checkpoint
+
+    return resolve_checkpoint(os.fspath(model_path), flag, revision)
+
+
+def check_load_format(path: str | os.PathLike, load_format: str | None, flag: str = "--load-format") -> None:
+    """``auto`` takes what is there; ``safetensors`` / ``gguf`` must match the checkpoint."""
+    if load_format in (None, "auto"):
+        return
+    if load_format not in ("safetensors", "gguf"):
+        raise ConfigError(f"{flag} {load_format}: not supported here (supported: auto, safetensors, gguf)")
+    found = checkpoint_format(path)
+    if found != load_format:
+        raise ConfigError(f"{flag} {load_format}: {path} is a {found} checkpoint")
+
+
+def check_architecture(config: ModelConfig, path: str, flag: str = "--model-path") -> None:
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{flag} {path}: architecture {config.architecture} is not supported "
+                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
 def checkpoint_format(path: str | os.PathLike) -> str:
