@@ -7,13 +7,13 @@ runs its decoder layer through the same attention backend as the target, on its
 own KV cache (``config.num_hidden_layers`` layers), and shares the target's
 embedding / lm_head when its checkpoint does not carry them.
 
-``load_draft_head`` finds the format (a draft directory, or MTP layers inside the
-target checkpoint), builds the head, loads it strictly and binds it to the target.
+This module defines what the head formats import (the base class, checkpoint readers);
+``draft_heads.py`` imports the formats and picks one (``load_draft_head``): no module here
+imports a format.
 """
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -25,13 +25,12 @@ from specserve.config import ModelConfig
 from specserve.models.attention import AttentionMetadata, KVCache, TorchSDPABackend
 from specserve.models.layers import RotaryEmbedding
 from specserve.models.llama import add_fused_decoder_weights
-from specserve.models.packed_linear import Linear, pack_linears_for_cpu
+from specserve.models.packed_linear import Linear
 from specserve.models.weights import StrictLoader
 
 if TYPE_CHECKING:
     from specserve.models.llama import LlamaForCausalLM
 
-logger = logging.getLogger(__name__)
 
 DRAFT_PATH_FLAG = "--speculative-draft-model-path"
 
@@ -191,80 +190,9 @@ class DraftCheckpoint:
     tensors: dict[str, torch.Tensor]
 
 
-def load_draft_head(algorithm: str, draft_path: str | None, target: "LlamaForCausalLM", target_path: str, *,
-                    dtype: torch.dtype, device, max_position: int,
-                    token_map_path: str | None = None) -> DraftHead:
-    """Build, strictly load and bind the draft head for ``algorithm`` ("EAGLE", "NEXTN" or "EAGLE3")."""
-    algorithm = algorithm.upper()
-    if algorithm not in ("EAGLE", "EAGLE3", "NEXTN"):
-        raise ValueError(f"no draft head for --speculative-algorithm {algorithm} (EAGLE, EAGLE3, NEXTN)")
-    checkpoint = find_draft_checkpoint(algorithm, draft_path, target, target_path)
-    head_class = _head_class(checkpoint.kind)
-    with torch.device("meta"):
-        head = head_class.for_checkpoint(checkpoint, target.config)
-    head = head.to_empty(device=device).to(dtype)
-    if token_map_path is not None:
-        if checkpoint.kind == "eagle3":
-            logger.warning("--speculative-token-map is ignored for EAGLE3: the head carries its own "
-                           "draft vocabulary (d2t)")
-        else:
-            head.set_token_map(load_token_map(token_map_path))
-    head.load_weights(checkpoint.tensors.items())
-    head.bind_target(target)
-    head.init_rotary(max_position, device)
-    pack_linears_for_cpu(head)
-    logger.info("draft head %s from %s: %d layer(s), draft vocab %d", checkpoint.kind, checkpoint.path,
-                head.config.num_hidden_layers, head.draft_vocab_size)
-    return head.eval()
-
-
 def load_token_map(path: str) -> torch.Tensor:
     """An FR-Spec token map: a ``torch.save``d list or tensor of target ids."""
     return torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True), dtype=torch.int64).flatten()
-
-
-def find_draft_checkpoint(algorithm: str, draft_path: str | None, target: "LlamaForCausalLM",
-                          target_path: str) -> DraftCheckpoint:
-    if draft_path is None:
-        if algorithm == "EAGLE3":
-            raise ValueError(f"EAGLE3 needs {DRAFT_PATH_FLAG} (an EAGLE-3 draft head directory)")
-        checkpoint = read_mtp_checkpoint(target_path)
-        if checkpoint is None:
-            raise ValueError(f"{algorithm} needs {DRAFT_PATH_FLAG}: the target checkpoint {target_path} carries "
-                             f"no MTP/NEXTN layers")
-        return checkpoint
-    if algorithm != "EAGLE3":
-        checkpoint = read_mtp_checkpoint(draft_path)     # NEXTN from a full model given as the draft
-        if checkpoint is not None:
-            return checkpoint
-    raw_config, tensors = read_hf_dir(draft_path)
-    kind = _eagle_kind(raw_config, tensors)
-    wanted = "eagle3" if algorithm == "EAGLE3" else "eagle"
-    if kind != wanted:
-        raise ValueError(f"{DRAFT_PATH_FLAG} {draft_path} holds an {kind.upper()} head, but "
-                         f"--speculative-algorithm is {algorithm}")
-    return DraftCheckpoint(kind, str(draft_path), raw_config, tensors)
-
-
-def _eagle_kind(raw_config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    names = {strip_model_prefix(n) for n in tensors}
-    if any(n.startswith("midlayer.") for n in names):
-        return "eagle3"
-    if any(n.startswith("layers.") for n in names):
-        return "eagle"
-    arch = (raw_config.get("architectures") or [""])[0]
-    return "eagle3" if arch.endswith("Eagle3") else "eagle"
-
-
-def _head_class(kind: str) -> type[DraftHead]:
-    if kind == "eagle":
-        from specserve.models.eagle import EagleHead
-        return EagleHead
-    if kind == "eagle3":
-        from specserve.models.eagle3 import Eagle3Head
-        return Eagle3Head
-    from specserve.models.mtp import NextNHead
-    return NextNHead
 
 
 def read_hf_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -47,7 +46,6 @@ PROPOSERS = {
 COST_WIDTHS_REQUIRED = (1, 3, 4, 16)   # float32 CPU: up to 3 rows cost about 1, 4 jumps
 COST_WIDTHS_OPTIONAL = (8, 64, 256)
 TARGET_COST_BUDGET_S = 1.5
-POLICY_ENV = "SPECSERVE_SPEC_POLICY"   # auto (default) | always
 
 
 @dataclass
@@ -122,13 +120,25 @@ def create_spec_worker(ctx: ProposerContext) -> "SpecWorker":
     curve = measure_target_cost(ctx)
     proposer.measure_cost()
     policy = SpecPolicy(curve, proposer.draft_cost, ctx.params.num_draft_tokens,
-                        is_always=os.environ.get(POLICY_ENV, "auto").lower() == "always")
+                        is_always=ctx.params.policy == "always")
     logger.info("speculative %s: S=%d K=%d N=%d; verify cost %s; draft cost(1)=%.1fms; speculation "
                 "on up to batch size %d at accept len %.1f (startup timing %.2fs)", ctx.params.algorithm,
                 ctx.params.num_steps, ctx.params.topk, ctx.params.num_draft_tokens, curve.describe(),
                 proposer.draft_cost(1) * 1e3, policy.max_batch_size(), policy.alpha,
                 time.perf_counter() - t0)
+    logger.info("%s", describe_policy(ctx.params.policy, policy))
     return SpecWorker(ctx.params, proposer, policy)
+
+
+def describe_policy(name: str, policy: SpecPolicy) -> str:
+    if name == "always":
+        return "--speculative-policy always: every request speculates on every decode step"
+    bs = policy.max_batch_size()
+    pays = (f"pays up to batch size {bs} at the assumed accept length {policy.alpha:.1f}" if bs
+            else "does not pay at any batch size at the assumed accept length")
+    return (f"--speculative-policy auto: speculation {pays}; each step, requests whose drafts would not pay "
+            f"decode plainly (same output), reported in /get_server_info; --speculative-policy always "
+            f"forces it")
 
 
 def measure_target_cost(ctx: ProposerContext, budget_s: float = TARGET_COST_BUDGET_S) -> CostCurve:
@@ -164,6 +174,7 @@ class SpecWorker:
         self.params, self.proposer, self.policy = params, proposer, policy
         self.accept_histogram = [0] * params.num_draft_tokens   # [accepted drafts] -> verifies
         self.num_draft_tokens_verified = 0                       # tree nodes past the root
+        self.num_drafted_steps = self.num_plain_steps = 0        # per request and step: drafts or plain
 
     def on_prefill(self, engine, batch) -> None:
         self.proposer.on_prefill(engine, batch.items)
@@ -172,6 +183,7 @@ class SpecWorker:
         items = batch.items
         start = time.perf_counter()
         trees = self._plan(engine, items)
+        self._count_steps(items, trees)
         if self.proposer.catches_up_lazily and all(tree.is_root_only for tree in trees):
             out = self._plain_step(engine, items, trees)
             self.policy.observe_step([1] * len(items), time.perf_counter() - start)
@@ -248,14 +260,33 @@ class SpecWorker:
             self.num_draft_tokens_verified += tree.num_nodes - 1
             self.policy.observe(spec_state(req).policy, res.accept_len, tree_depth(tree))
 
+    def _count_steps(self, items: list, trees: list[DraftTree]) -> None:
+        for item, tree in zip(items, trees):
+            state = spec_state(item.req).policy
+            if tree.is_root_only:
+                state.num_plain_steps += 1
+                self.num_plain_steps += 1
+            else:
+                state.num_drafted_steps += 1
+                self.num_drafted_steps += 1
+
     def server_info(self) -> dict[str, Any]:
         p = self.params
         return {"spec_accept_histogram": list(self.accept_histogram),
                 "spec_draft_tokens": self.num_draft_tokens_verified,
                 "speculative_num_steps": p.num_steps, "speculative_eagle_topk": p.topk,
-                "speculative_num_draft_tokens": p.num_draft_tokens,
-                "spec_policy": {"accept_rate": self.policy.global_rate, "calibration": self.policy.calibration,
-                                "max_batch_size": self.policy.max_batch_size()}}
+                "speculative_num_draft_tokens": p.num_draft_tokens, "speculative_policy": p.policy,
+                "spec_policy": {"policy": p.policy, "accept_rate": self.policy.global_rate,
+                                "calibration": self.policy.calibration,
+                                "max_batch_size": self.policy.max_batch_size(),
+                                "request_steps_drafted": self.num_drafted_steps,
+                                "request_steps_plain": self.num_plain_steps}}
+
+    def request_meta(self, req) -> dict[str, Any]:
+        """Per-request policy figures for ``meta_info`` (the engine merges them in)."""
+        state = spec_state(req).policy
+        return {"spec_policy": self.params.policy, "spec_drafted_steps": state.num_drafted_steps,
+                "spec_plain_steps": state.num_plain_steps}
 
 
 def tree_depth(tree: DraftTree) -> int:

@@ -42,7 +42,7 @@ class EagleProposer(MirroredDraftProposer):
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
-        from specserve.models.draft_head import load_draft_head
+        from specserve.models.draft_heads import load_draft_head
 
         target, params, args = ctx.target_runner, ctx.params, ctx.server_args
         self.head = load_draft_head(params.algorithm, args.speculative_draft_model_path, target.model,

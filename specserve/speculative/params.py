@@ -7,10 +7,14 @@
 
 Rules (errors are ``ConfigError`` naming the flags):
 
-* all three unset: auto-chosen per algorithm (``auto_choose``);
-  only some set: error (EAGLE-family / STANDALONE). NGRAM uses only N (its tree
-  shape comes from ``--speculative-ngram-*``); S and K are ignored with a warning.
-* K == 1 forces N = S + 1 (a chain), as SGLang does (warning if N differed).
+* all three unset: auto-chosen per algorithm (``auto_choose``); only some set: the
+  others are filled from the auto choice, as SGLang does (an auto-filled N is then
+  fitted to the tree S and K can build). NGRAM uses only N (its tree shape comes
+  from ``--speculative-ngram-*``; unset, N = ``--speculative-ngram-max-match-window-size``,
+  as in SGLang); S and K are ignored with a warning.
+* K == 1 forces N = S + 1 (a chain), as SGLang does (warning if a given N differed).
+* the policy (``--speculative-policy``, else ``$SPECSERVE_SPEC_POLICY``, else auto): auto
+  speculates where the startup cost curve says it pays, always on every step.
 * N >= 2, and N - 1 <= K + (S - 1) * K * K: the dynamic tree's candidate pool
   (step 0 offers K nodes, every later step K * K expansions) must hold N - 1 nodes.
 * thresholds in [0, 1]; an acc threshold of 0 is clamped to 1e-9 (accept all).
@@ -18,6 +22,7 @@ Rules (errors are ``ConfigError`` naming the flags):
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +38,8 @@ EAGLE_FAMILY = ("EAGLE", "EAGLE3")
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 MIN_THRESHOLD_ACC = 1e-9
 IMPLEMENTED = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+POLICY_ENV = "SPECSERVE_SPEC_POLICY"      # the flag's older spelling, still honoured
+POLICIES = ("auto", "always")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class SpecParams:
     num_draft_tokens: int     # N, root included
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
+    policy: str = "auto"      # auto: speculate where it pays; always: every step
 
     @property
     def is_chain(self) -> bool:
@@ -64,17 +72,31 @@ def resolve_spec_params(args: "ServerArgs", model_config: "ModelConfig | None" =
     if algorithm is None:
         return None
     single, acc = _thresholds(args)
+    policy = resolve_policy(args)
     arch = model_config.architecture if model_config is not None else ""
     if algorithm == "NGRAM":
         n = _ngram_num_draft_tokens(args)
-        return SpecParams(algorithm, 0, 0, n, single, acc)
+        return SpecParams(algorithm, 0, 0, n, single, acc, policy)
     steps, topk, n = _shape(args, algorithm, arch)
     _check_standalone(args, algorithm)
-    params = SpecParams(algorithm, steps, topk, n, single, acc)
+    params = SpecParams(algorithm, steps, topk, n, single, acc, policy)
     if algorithm not in IMPLEMENTED:
         raise ConfigError(f"--speculative-algorithm {args.speculative_algorithm}: not implemented yet "
                           f"(available: {', '.join(IMPLEMENTED)})")
     return params
+
+
+def resolve_policy(args: "ServerArgs") -> str:
+    """``--speculative-policy``; when left at auto, ``$SPECSERVE_SPEC_POLICY`` may say always."""
+    policy = (getattr(args, "speculative_policy", None) or "auto").lower()
+    env = os.environ.get(POLICY_ENV, "").strip().lower()
+    if policy == "auto" and env:
+        if env not in POLICIES:
+            raise ConfigError(f"${POLICY_ENV} must be one of {', '.join(POLICIES)}; got {env!r}")
+        policy = env
+    if policy not in POLICIES:
+        raise ConfigError(f"--speculative-policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    return policy
 
 
 def _canonical_algorithm(args: "ServerArgs") -> str | None:
@@ -107,7 +129,7 @@ def _ngram_num_draft_tokens(args: "ServerArgs") -> int:
     if steps is not None or topk is not None:
         logger.warning("NGRAM ignores --speculative-num-steps / --speculative-eagle-topk; its tree "
                        "shape comes from --speculative-ngram-* and --speculative-num-draft-tokens")
-    n = auto_choose("NGRAM", "")[2] if n is None else n
+    n = args.speculative_ngram_max_match_window_size if n is None else n
     if n < 2:
         raise ConfigError(f"--speculative-num-draft-tokens must be >= 2 (root + one draft); got {n}")
     if args.speculative_ngram_match_type.upper() not in ("BFS", "PROB"):
@@ -134,14 +156,15 @@ def _check_ngram_windows(args: "ServerArgs") -> None:
 
 def _shape(args: "ServerArgs", algorithm: str, arch: str) -> tuple[int, int, int]:
     values = _shape_values(args)
+    auto = auto_choose(algorithm, arch)
     if all(v is None for v in values):
-        return auto_choose(algorithm, arch)
-    missing = [f for f, v in zip(SHAPE_FLAGS, values) if v is None]
-    if missing:
-        given = [f for f, v in zip(SHAPE_FLAGS, values) if v is not None]
-        raise ConfigError(f"{', '.join(given)} given without {', '.join(missing)}: set all of "
-                          f"{', '.join(SHAPE_FLAGS)} or none of them (auto-choice)")
-    steps, topk, n = values
+        return auto
+    steps, topk, n = (auto[i] if v is None else v for i, v in enumerate(values))
+    filled = [f"{flag}={v}" for flag, v, given in zip(SHAPE_FLAGS, (steps, topk, n), values) if given is None]
+    if filled:
+        logger.info("speculative shape: %s filled from the auto choice %s", ", ".join(filled), auto)
+    if values[2] is None:          # an auto N fits the tree the given S and K can build
+        n = steps + 1 if topk == 1 else min(n, topk + (steps - 1) * topk * topk + 1)
     return _check_shape(steps, topk, n)
 
 

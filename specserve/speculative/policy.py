@@ -47,8 +47,9 @@ So a busy server (large bs, where ``c`` grows with width) falls back to plain
 decoding, and requests whose drafts do not get accepted stop speculating, while
 copy-heavy requests keep it. Decisions that flip are logged.
 
-``SPECSERVE_SPEC_POLICY=always`` in the environment makes every request speculate
-every step (accept-length measurements, tests); the default is ``auto``.
+``--speculative-policy always`` (or ``SPECSERVE_SPEC_POLICY=always`` in the environment)
+makes every request speculate every step (accept-length measurements, tests); the default
+is ``auto``. The choice is logged at startup and reported by ``/get_server_info``.
 """
 from __future__ import annotations
 
@@ -146,6 +147,8 @@ class RequestPolicyState:
     backoff: int = 0                # skipped steps before the next probe
     is_probing: bool = False        # this step's tree is a probe
     predicted: float = 0.0          # extra tokens the policy expected from this step's tree
+    num_drafted_steps: int = 0      # decode steps whose tree carried drafts
+    num_plain_steps: int = 0        # decode steps decoded plainly (declined, or nothing to draft)
 
     @property
     def has_history(self) -> bool:

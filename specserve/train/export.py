@@ -1,7 +1,7 @@
 """Step (d): a trained head as a serving checkpoint directory, in the published formats
 (``LlamaForCausalLMEagle3`` / ``LlamaForCausalLMEagle``): ``model.safetensors`` (floating
 tensors in bfloat16 by default; ``d2t`` int64 and ``t2d`` bool kept) and ``config.json``.
-``models/draft_head.load_draft_head`` reads it back."""
+``models/draft_heads.load_draft_head`` reads it back."""
 from __future__ import annotations
 
 import json

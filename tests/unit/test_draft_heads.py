@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from specserve.config import ModelConfig
 from specserve.models.attention import KVCache, build_metadata
-from specserve.models.draft_head import load_draft_head
+from specserve.models.draft_heads import load_draft_head
 from specserve.models.eagle3 import eagle3_aux_layer_ids
 from specserve.models.weights import WeightLoadError
 from specserve.runner.model_runner import build_model

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from specserve.models.attention import KVCache, TorchSDPABackend, build_metadata
-from specserve.models.draft_head import load_draft_head
+from specserve.models.draft_heads import load_draft_head
 from specserve.runner.model_runner import build_model
 from specserve.train import cli
 from specserve.train.capture import CaptureConfig, capture, from_storage, list_shards
