@@ -1,0 +1,22 @@
+"""JAX backend (``--backend jax``): a Llama-family target written in JAX behind the
+ModelRunner interface, so the scheduler, radix/paged KV cache, API and speculative
+workers run unchanged. Install with ``pip install -e .[jax]`` (``make install-jax``).
+
+Modules: ``params`` (torch weights -> stacked JAX arrays), ``model`` (the jitted
+forward), ``attention`` (paged tree-mask attention), ``runner`` (JaxModelRunner:
+padded buckets, KV slots, torch logits), ``precompile`` (buckets compiled ahead of
+serving), ``sharding`` (``--tp-size`` over ``jax.sharding``, ``jax.distributed``),
+``target_shell`` (the torch embedding / lm_head the EAGLE heads share).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+
+def is_available() -> bool:
+    """Whether jax and jaxlib are installed (the ``jax`` extra)."""
+    return importlib.util.find_spec("jax") is not None and importlib.util.find_spec("jaxlib") is not None
+
+
+def missing_reason() -> str:
+    return "the JAX backend needs jax and jaxlib: pip install -e .[jax] (or make install-jax)"
