@@ -1,12 +1,18 @@
-"""Build a kernel's C file once per machine and load it with ctypes.
+"""Build the kernels' C files once per machine and ISA variant, load the best with ctypes.
 
-``cpu_kernels.c`` (which includes the other C files here) is compiled on first use with
-the C compiler (``$CC`` or ``cc``; AVX2 + FMA, OpenMP) into ``$SPECSERVE_CACHE/kernels``
-(default ``~/.cache/specserve/kernels``), named by a hash of every C source and header
-here and the flags, and reused; building a new version deletes other versions' builds
-older than a week. ``load()`` returns None where it cannot be built or
-loaded (no compiler, a CPU without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep
-torch's kernels.
+``cpu_kernels.c`` (which includes the other C files here) is compiled on first use with the C
+compiler (``$CC`` or ``cc``, OpenMP) into ``$SPECSERVE_CACHE/kernels`` (default
+``~/.cache/specserve/kernels``), one library per ISA variant (``VARIANTS``, best first: the
+integer kernels of ``int_linear.c`` use AVX-512 VNNI where built so, AVX2 otherwise; every
+other kernel is the same AVX2 + FMA code in each), named by the variant and a hash of every C
+source and header here and the flags, and reused; building a new version deletes other
+versions' builds older than a week.
+
+Runtime dispatch: ``load()`` takes the best variant this CPU runs (``/proc/cpuinfo`` flags),
+or the best at or below ``$SPECSERVE_ISA`` (e.g. ``avx2``: test a lower variant on a higher
+CPU); a variant that fails to build (an old compiler without the ISA's flags) gives way to the
+next one down. It returns None where nothing can be built or loaded (no compiler, a CPU
+without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep torch's kernels.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import os
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +34,23 @@ from specserve.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]            # compiler flags beyond CFLAGS
+    cpu_flags: tuple[str, ...]        # /proc/cpuinfo flags the CPU needs
+    level: int                        # int_linear.c's IQ_LEVEL for this build
+
+
+VARIANTS = (    # best first
+    Variant("avx512_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"), 2),
+    Variant("avx2", (), ("avx2", "fma", "f16c"), 1),
+)
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 
 
 SOURCE_DIR = Path(__file__).parent
@@ -42,42 +65,108 @@ def cache_dir() -> Path:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("SPECSERVE_KERNELS", "1") == "0" or not _cpu_supports_avx2():
+    """The best variant this CPU runs (see the module doc), or None."""
+    if os.environ.get("SPECSERVE_KERNELS", "1") == "0":
+        return None
+    for variant in candidate_variants():
+        library = load_variant(variant.name)
+        if library is not None:
+            logger.info("CPU kernels: %s variant", variant.name)
+            return library
+    return None
+
+
+def variant_name() -> str:
+    """The ISA variant of the loaded kernels ("avx512_vnni", "avx2"), or "none"."""
+    library = load()
+    if library is None:
+        return "none"
+    level = _level_function(library)()
+    return next(v.name for v in VARIANTS if v.level == level)
+
+
+def candidate_variants() -> list[Variant]:
+    """The variants this CPU runs, best first, at or below ``$SPECSERVE_ISA`` if set."""
+    runnable = [v for v in VARIANTS if cpu_runs(v)]
+    forced = os.environ.get("SPECSERVE_ISA", "").strip().lower()
+    if forced:
+        if forced not in VARIANT_NAMES:
+            logger.warning("SPECSERVE_ISA=%s is not one of %s; ignored", forced, ", ".join(VARIANT_NAMES))
+        else:
+            runnable = [v for v in runnable if VARIANT_NAMES.index(v.name) >= VARIANT_NAMES.index(forced)]
+    return runnable
+
+
+def cpu_runs(variant: Variant) -> bool:
+    return set(variant.cpu_flags) <= cpu_flags()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them; without it, what torch reports."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    avx2 = {"avx2", "fma", "f16c"} if capability in ("AVX2", "AVX512") else set()
+    return frozenset(avx2 | ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} if capability == "AVX512" else set()))
+
+
+@functools.cache
+def load_variant(name: str) -> ctypes.CDLL | None:
+    """Variant ``name``'s library, built if needed; None if this CPU cannot run it or it fails
+    to build or load."""
+    variant = VARIANTS[VARIANT_NAMES.index(name)]
+    if not cpu_runs(variant):
         return None
     try:
-        return ctypes.CDLL(str(_build(SOURCE_DIR / f"{LIBRARY}.c")))
+        library = ctypes.CDLL(str(_build(SOURCE_DIR / f"{LIBRARY}.c", variant)))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("the CPU kernels could not be built or loaded (%s); using torch's kernels", exc)
+        logger.warning("the %s CPU kernels could not be built or loaded (%s)", name, exc)
         return None
+    if _level_function(library)() != variant.level:
+        logger.warning("the %s CPU kernels built as another variant; not used", name)
+        return None
+    return library
+
+
+def _level_function(library: ctypes.CDLL):
+    fn = library.int_kernel_level
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return fn
 
 
 def function(name: str, argtypes: list) -> Callable[..., int] | None:
     """The library's C function ``name`` (returning int) with these argument types, or None."""
     lib = load()
-    if lib is None:
-        return None
-    fn = getattr(lib, name)
+    return None if lib is None else function_of(lib, name, argtypes)
+
+
+def function_of(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
+    """``library``'s C function ``name`` (returning int) with these argument types."""
+    fn = getattr(library, name)
     fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return fn
 
 
-def _cpu_supports_avx2() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-def _build(source_path: Path) -> Path:
+def _build(source_path: Path, variant: Variant) -> Path:
     """Compile once for these sources and flags; concurrent builders each write a
     temporary file and rename it into place."""
     source = b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]")))
     compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{source_path.stem}-{digest}.so"
+    flags = [*CFLAGS, *variant.flags]
+    digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source_path.stem}-{variant.name}-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *CFLAGS, str(source_path), "-o", str(built)],
+        result = subprocess.run([compiler, *flags, str(source_path), "-o", str(built)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed: {result.stderr.strip()[:500]}")

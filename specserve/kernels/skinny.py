@@ -21,15 +21,21 @@ class LinearWeights(ctypes.Structure):
     """skinny_linear.c's ``linear_weights``; the tensors it points into must outlive it."""
 
     _fields_ = [("dense", ctypes.c_void_p), ("coded", ctypes.c_void_p),
-                ("coded_format", ctypes.c_int32), ("coded_max_rows", ctypes.c_int32)]
+                ("coded_format", ctypes.c_int32), ("coded_max_rows", ctypes.c_int32),
+                ("int_panels", ctypes.c_void_p), ("int_format", ctypes.c_int32), ("reserved", ctypes.c_int32)]
 
 
 def linear_weights(dense: torch.Tensor, records: torch.Tensor | None = None, coded_format: int = 0,
-                   coded_max_rows: int = 0) -> LinearWeights:
-    """``dense`` [N, K] contiguous; ``records``: the code blocks (``BlockCodes.records``)."""
+                   coded_max_rows: int = 0, int_panels: torch.Tensor | None = None,
+                   int_format: int = 0) -> LinearWeights:
+    """``dense`` [N, K] contiguous; ``records``: the code blocks (``BlockCodes.records``);
+    ``int_panels``: the GGUF blocks for the integer kernel (``int_codes.panels``), which then
+    computes every input."""
     coded = None if records is None else records.data_ptr()
     max_rows = min(coded_max_rows, 2**31 - 1) if coded else 0           # ALL_ROWS fits no int32
-    return LinearWeights(dense.data_ptr(), coded, coded_format if coded else 0, max_rows)
+    panels = None if int_panels is None else int_panels.data_ptr()
+    return LinearWeights(dense.data_ptr(), coded, coded_format if coded else 0, max_rows, panels,
+                         int_format if panels else 0, 0)
 
 
 def is_available() -> bool:
@@ -49,15 +55,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias32: torch.Tensor | 
 
 
 def linear_forward(x: torch.Tensor, weights: LinearWeights, shape: tuple[int, int],
-                   bias32: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over the weights ``weights`` describes, of ``shape`` [N, K], in x's dtype."""
+                   bias32: torch.Tensor | None = None, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``F.linear`` over the weights ``weights`` describes, of ``shape`` [N, K], in x's dtype;
+    ``library``: a particular kernel variant (``build.load_variant``), default the loaded one."""
     x = x.contiguous()
     num_out, num_in = shape
     num_rows = x.numel() // num_in
     out = torch.empty(*x.shape[:-1], num_out, dtype=x.dtype)
     if num_rows == 0:
         return out
-    status = _function()(
+    fn = _function() if library is None else build.function_of(library, "linear_forward", _ARGTYPES)
+    status = fn(
         ctypes.byref(weights), x.data_ptr(), None if bias32 is None else bias32.data_ptr(), out.data_ptr(),
         num_rows, num_out, num_in, DTYPE_CODES[x.dtype], torch.get_num_threads())
     if status != 0:
@@ -65,6 +73,9 @@ def linear_forward(x: torch.Tensor, weights: LinearWeights, shape: tuple[int, in
     return out
 
 
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+
+
 @functools.cache
 def _function():
-    return build.function("linear_forward", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5)
+    return build.function("linear_forward", _ARGTYPES)

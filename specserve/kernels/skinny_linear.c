@@ -18,15 +18,20 @@
 #define PF_BLOCKS 4    /* prefetch distance, in weight blocks */
 
 #include "coded_linear.c"
+#include "int_linear.c"
 
 /* A linear's weights: dense [N, K] in the storage dtype and, optionally, the same values as
    code blocks (coded_format: coded_linear.c's formats), used for inputs of up to
-   coded_max_rows rows. */
+   coded_max_rows rows; or GGUF blocks repacked for the integer kernel (int_linear.c), used
+   for every input when set (the `gguf` quantization path). */
 typedef struct {
     const void *dense;
     const uint8_t *coded;
     int32_t coded_format;
     int32_t coded_max_rows;
+    const uint8_t *int_panels;
+    int32_t int_format;
+    int32_t reserved;
 } linear_weights;
 
 /* NB weight rows (stride K, element type T, loader LOAD) x R input rows (fp32, stride K).
@@ -147,9 +152,12 @@ int skinny_linear(const void *x, const void *w, const float *bias, void *y,
     return run_linear(x, w, CODED_NONE, bias, y, M, N, K, dtype, nthreads);
 }
 
-/* the coded weights for up to coded_max_rows rows, else the dense ones (the same bits) */
+/* the integer kernel where the weights have panels; else the coded weights for up to
+   coded_max_rows rows, else the dense ones (the same bits) */
 int linear_forward(const linear_weights *lw, const void *x, const float *bias, void *y,
                    int M, int N, int K, int dtype, int nthreads) {
+    if (lw->int_panels && lw->int_format)
+        return int_linear(lw->int_panels, lw->int_format, x, bias, y, M, N, K, dtype, nthreads);
     if (lw->coded && lw->coded_format && M <= lw->coded_max_rows)
         return run_linear(x, lw->coded, lw->coded_format, bias, y, M, N, K, dtype, nthreads);
     return run_linear(x, lw->dense, CODED_NONE, bias, y, M, N, K, dtype, nthreads);

@@ -1,0 +1,286 @@
+/* Integer linear over GGUF weight blocks (Q4_0, Q4_1, Q8_0): the `--quantization gguf` path.
+
+       y[M, N] = x[M, K] @ W[N, K]^T (+ bias)
+
+   Weights stay in their 32-weight blocks (a float16 scale d, for Q4_1 a float16 min m, 4- or
+   8-bit codes c). Each input row is quantized per 32-value block to int8 q with its own scale
+   dx (as llama.cpp's Q8_0/Q8_1), and every block's dot product runs in integers:
+
+       p     = sum_k c_k q_k - off             off = 8 * sum(q) for Q4_0 (codes 0..15 stand for c - 8),
+                                               else 0 (the int32 sum is exact)
+       acc   = fma(d * dx, float(p), acc)      per block, in block order
+       acc   = fma(m, dx * sum(q), acc)        Q4_1 only
+       y     = acc (+ bias)
+
+   Layout: weights are repacked in panels of 16 rows (IQ_ROWS, the int32 lanes of a 512-bit
+   vector). A panel holds, per block b of K, one record:
+       float16 d[16] | float16 m[16] (Q4_1 only) | codes
+   where code chunk j (j = 0..7: weights k = 4j..4j+3 of the block) is 64 bytes, byte 4i + t =
+   row i's weight 4j + t. Q8_0 stores the 8 chunks as int8 (512 bytes); Q4_0/Q4_1 store
+   chunk j (low nibble) and chunk j + 4 (high nibble) in one 64-byte group, 4 groups (256
+   bytes). So one vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial
+   sums in its 16 lanes: no horizontal sums, the weights of a block are decoded once for every
+   input row of the tile (register blocking over W), and each lane's arithmetic is the same
+   whatever the vector width: the AVX2 variant runs the same panels as two halves of 8 lanes
+   (vpmaddubsw + vpmaddwd instead of vpdpbusd, the same exact int32 sums) and gives the same bits.
+
+   Row invariance: a row's result depends only on that row and the weights (its own quantization
+   scales, fixed per-lane operation order), never on M, the tiling or the thread count.
+   Built by build.py (cpu_kernels.c) once per ISA variant; called through linear_forward. */
+#include "common.h"
+
+#define IQ_ROWS 16            /* weight rows per panel */
+#define IQ_K 32               /* weights per block */
+#define IQ_CHUNK_ROWS 64      /* input rows per work item (many-row inputs, e.g. prefill) */
+enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define IQ_LEVEL 2            /* avx512_vnni */
+#define IQ_TILE 8             /* input rows per register tile */
+#else
+#define IQ_LEVEL 1            /* avx2 */
+#define IQ_TILE 4
+#endif
+
+static inline int iq_scale_bytes(int fmt) { return fmt == IQ_Q4_1 ? 64 : 32; }
+static inline int iq_record_bytes(int fmt) { return iq_scale_bytes(fmt) + (fmt == IQ_Q8_0 ? 512 : 256); }
+
+/* The input rows quantized: q [M, K] int8; per row and block (index m * nb + b): the scale d,
+   d * sum(q) (for Q4_1's min term) and the int32 start value of the block's integer sum. */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int32_t *start;
+    int K, nb;
+} iq_input;
+
+static inline int32_t iq_load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The integer sum's start value for a block whose q sum to `sum`: minus the codes' offset
+   times the sum, where the kernel's unsigned operand is the code plus an offset (Q4_0: the
+   stored nibble is c + 8; Q8_0 on VNNI: the code's byte xor 0x80, c + 128). */
+static inline int32_t iq_start(int fmt, int32_t sum) {
+    if (fmt == IQ_Q4_0) return -8 * sum;
+    if (fmt == IQ_Q8_0 && IQ_LEVEL >= 2) return -128 * sum;
+    return 0;
+}
+
+/* one block of 32 values: q = clamp(rint(x / d), -127, 127), d = max|x| / 127 */
+static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, float *d, float *ds, int32_t *start) {
+    const int esize = is_bf16 ? 2 : 4;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int s = 0; s < 4; s++) {
+        v[s] = load8((const char *)x + s * 8 * esize, is_bf16);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[s]));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, amax);
+    float m = lanes[0];
+    for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    const float scale = m / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 inv8 = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i n[4];
+    __m256i total = _mm256_setzero_si256();
+    for (int s = 0; s < 4; s++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[s], inv8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        n[s] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        total = _mm256_add_epi32(total, n[s]);
+    }
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    int32_t sums[8], sum = 0;
+    _mm256_storeu_si256((__m256i *)sums, total);
+    for (int i = 0; i < 8; i++) sum += sums[i];
+    *d = scale;
+    *ds = scale * (float)sum;
+    *start = iq_start(fmt, sum);
+}
+
+static int iq_input_init(iq_input *a, const void *x, int M, int K, int is_bf16, int fmt) {
+    const int nb = K / IQ_K, esize = is_bf16 ? 2 : 4;
+    a->K = K, a->nb = nb;
+    a->q = (int8_t *)malloc((size_t)M * K);
+    a->d = (float *)malloc((size_t)M * nb * 4);
+    a->ds = (float *)malloc((size_t)M * nb * 4);
+    a->start = (int32_t *)malloc((size_t)M * nb * 4);
+    if (!a->q || !a->d || !a->ds || !a->start) return -1;
+    for (long m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            const long i = m * nb + b;
+            iq_quantize_block((const char *)x + (m * K + (long)b * IQ_K) * esize, is_bf16, fmt,
+                              a->q + m * K + (long)b * IQ_K, a->d + i, a->ds + i, a->start + i);
+        }
+    return 0;
+}
+
+static void iq_input_free(iq_input *a) { free(a->q), free(a->d), free(a->ds), free(a->start); }
+
+#if IQ_LEVEL >= 2
+/* R input rows (from m0) x one panel, AVX-512 VNNI: out[r][i] = row m0 + r, weight row i */
+static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
+                                                          long m0, int R, float out[][IQ_ROWS]) {
+    const int rec = iq_record_bytes(fmt), nb = a->nb;
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 mw = fmt == IQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
+                                         : _mm512_setzero_ps();
+        __m512i w[8];
+        if (fmt == IQ_Q8_0) {
+            for (int j = 0; j < 8; j++) w[j] = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * j), flip);
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(codes + 64 * j);
+                w[j] = _mm512_and_si512(v, nibble);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const long i = (m0 + r) * nb + b;
+            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            __m512i s0 = _mm512_set1_epi32(a->start[i]), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {          /* two chains: half the latency */
+                s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(iq_load4(q + 4 * j)));
+                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(iq_load4(q + 4 * j + 4)));
+            }
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i]));
+            acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[r]);
+            if (fmt == IQ_Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->ds[i]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+#else
+/* R input rows x half h (weight rows 8h..8h+7) of one panel, AVX2: the same lanes' arithmetic
+   as the AVX-512 tile. Two 16-bit partial sums per lane pair are exact: Q4 codes <= 15 and
+   |q| <= 127 keep 8 maddubs results of a block below 2^15; Q8_0 uses |c| and q with c's sign
+   (|c| <= 128), each maddubs result widened at once. */
+static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, int fmt, const iq_input *a,
+                                                          long m0, int R, int h, float out[][IQ_ROWS]) {
+    const int rec = iq_record_bytes(fmt), nb = a->nb;
+    __m256 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+        const __m256 mw = fmt == IQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))
+                                         : _mm256_setzero_ps();
+        __m256i w[8];
+        if (fmt == IQ_Q8_0) {
+            for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
+                w[j] = _mm256_and_si256(v, nibble);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const long i = (m0 + r) * nb + b;
+            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            __m256i s = _mm256_set1_epi32(a->start[i]);
+            if (fmt == IQ_Q8_0) {
+                for (int j = 0; j < 8; j++) {
+                    const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
+                    const __m256i t = _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(qv, w[j]));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+                }
+            } else {
+                __m256i t = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(iq_load4(q + 4 * j))));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+            }
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[i]));
+            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s), acc[r]);
+            if (fmt == IQ_Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->ds[i]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
+}
+static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
+                                                          long m0, int R, float out[][IQ_ROWS]) {
+    iq_half(panel, fmt, a, m0, R, 0, out);
+    iq_half(panel, fmt, a, m0, R, 1, out);
+}
+#endif
+
+/* iq_tile specialised per format and row count (constants let the compiler keep the tile in
+   registers) */
+#define IQ_DEFINE(FMT, R) \
+    static void iq_tile_##FMT##_##R(const uint8_t *p, const iq_input *a, long m0, float out[][IQ_ROWS]) { \
+        iq_tile(p, FMT, a, m0, R, out); }
+#define IQ_DEFINE_ROWS(FMT) IQ_DEFINE(FMT, 1) IQ_DEFINE(FMT, 2) IQ_DEFINE(FMT, 3) IQ_DEFINE(FMT, 4) \
+    IQ_DEFINE(FMT, 5) IQ_DEFINE(FMT, 6) IQ_DEFINE(FMT, 7) IQ_DEFINE(FMT, 8)
+IQ_DEFINE_ROWS(IQ_Q4_0) IQ_DEFINE_ROWS(IQ_Q4_1) IQ_DEFINE_ROWS(IQ_Q8_0)
+typedef void (*iq_tile_fn)(const uint8_t *, const iq_input *, long, float[][IQ_ROWS]);
+#define IQ_ROW_FNS(FMT) {iq_tile_##FMT##_1, iq_tile_##FMT##_2, iq_tile_##FMT##_3, iq_tile_##FMT##_4, \
+                         iq_tile_##FMT##_5, iq_tile_##FMT##_6, iq_tile_##FMT##_7, iq_tile_##FMT##_8}
+static const iq_tile_fn IQ_TILE_FNS[3][8] = {IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0)};
+
+/* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N) */
+static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long m0, long m1, int pnl,
+                          const float *bias, void *y, int N, int is_bf16) {
+    float out[IQ_TILE][IQ_ROWS];
+    const int n0 = pnl * IQ_ROWS, nn = N - n0 < IQ_ROWS ? N - n0 : IQ_ROWS;
+    for (long m = m0; m < m1;) {
+        const int r = m1 - m < IQ_TILE ? (int)(m1 - m) : IQ_TILE;
+        IQ_TILE_FNS[fmt - 1][r - 1](panel, a, m, out);
+        for (int t = 0; t < r; t++)
+            for (int i = 0; i < nn; i++)
+                set_elem(y, (m + t) * N + n0 + i, out[t][i] + (bias ? bias[n0 + i] : 0.0f), is_bf16);
+        m += r;
+    }
+}
+
+/* y = x @ W^T (+ bias) for W as panels (N rounded up to 16 rows, zero rows past N) */
+static int int_linear(const uint8_t *panels, int fmt, const void *x, const float *bias, void *y,
+                      int M, int N, int K, int dtype, int nthreads) {
+    if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_Q8_0 || M < 1 || N < 1) return -1;
+    const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
+    const long panel_bytes = (long)(K / IQ_K) * iq_record_bytes(fmt);
+    iq_input a;
+    if (iq_input_init(&a, x, M, K, is_bf16, fmt)) {
+        iq_input_free(&a);
+        return -1;
+    }
+    const long num_chunks = (M + IQ_CHUNK_ROWS - 1) / IQ_CHUNK_ROWS, items = num_chunks * num_panels;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long it = 0; it < items; it++) {
+        const long chunk = it / num_panels, m0 = chunk * IQ_CHUNK_ROWS;
+        const long m1 = m0 + IQ_CHUNK_ROWS < M ? m0 + IQ_CHUNK_ROWS : M;
+        const int pnl = (int)(it % num_panels);
+        iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16);
+    }
+    iq_input_free(&a);
+    return 0;
+}
+
+/* which variant this library was built as: 1 avx2, 2 avx512_vnni */
+int int_kernel_level(void) { return IQ_LEVEL; }
+
+/* the quantized input rows as the kernels see them (for tests): q [M, K], d, ds, start [M, K / 32] */
+int int_quantize_rows(const void *x, int M, int K, int dtype, int fmt, int8_t *q, float *d, float *ds, int32_t *start) {
+    if (K % IQ_K) return -1;
+    iq_input a;
+    if (iq_input_init(&a, x, M, K, dtype == DTYPE_BF16, fmt)) {
+        iq_input_free(&a);
+        return -1;
+    }
+    memcpy(q, a.q, (size_t)M * K);
+    memcpy(d, a.d, (size_t)M * a.nb * 4);
+    memcpy(ds, a.ds, (size_t)M * a.nb * 4);
+    memcpy(start, a.start, (size_t)M * a.nb * 4);
+    iq_input_free(&a);
+    return 0;
+}

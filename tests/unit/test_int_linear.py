@@ -1,0 +1,171 @@
+"""The integer kernel over GGUF blocks (``int_linear.c``, the ``gguf`` quantization path):
+the same bits as a numpy model of its arithmetic (int8 input blocks, exact integer dot products,
+a fixed float epilogue), row invariance over the row count, and every ISA variant this CPU runs
+(``SPECSERVE_ISA`` forces the dispatch down) giving the same bits as the others."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from specserve.kernels import build, int_codes
+from specserve.kernels.int_codes import INT_Q4_0, INT_Q4_1, INT_Q8_0
+from specserve.loading.gguf import block_codes
+
+needs_kernel = pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here (no AVX2 or no C compiler)")
+KINDS = {Q.Q4_0: INT_Q4_0, Q.Q4_1: INT_Q4_1, Q.Q8_0: INT_Q8_0}
+
+
+def _codes(kind, rows: int, cols: int, seed: int):
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    tensor = SimpleNamespace(tensor_type=kind, shape=np.array([cols, rows]), data=quantize(values, kind))
+    return block_codes(tensor)
+
+
+def _inputs(rows: int, cols: int, seed: int) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 2
+    x[0, :32] = 0.0                          # an all-zero block: scale 0
+    x[-1, 32:64] = 1.5                       # ties of rint at the block maximum's scale
+    return x
+
+
+# ---- the reference: the kernel's arithmetic in numpy ------------------------------------------
+
+def _quantize_ref(x: np.ndarray):
+    """q int8 [M, K], d float32 [M, K / 32]: d = max|x| / 127, q = clamp(rint(x / d))."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
+    return q.astype(np.int64), d.astype(np.float32)
+
+
+def _fma(a, b, c):
+    """float32 fused multiply-add (the product of two float32 is exact in float64)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def _int_linear_ref(x: torch.Tensor, codes, fmt: int, bias: torch.Tensor | None = None) -> np.ndarray:
+    q, d = _quantize_ref(x.float().numpy())                              # [M, B, 32], [M, B]
+    c = codes.codes.numpy().astype(np.int64).reshape(codes.shape[0], -1, 32)
+    if fmt == INT_Q4_0:
+        c = c - 8
+    scales, mins = codes.scales.numpy(), codes.mins.numpy()              # [N, B]
+    acc = np.zeros((x.shape[0], codes.shape[0]), np.float32)            # [M, N]
+    for b in range(q.shape[1]):
+        p = (q[:, b] @ c[:, b].T).astype(np.float32)                    # exact integer sums
+        acc = _fma((scales[None, :, b] * d[:, b, None]).astype(np.float32), p, acc)
+        if fmt == INT_Q4_1:
+            ds = (d[:, b] * q[:, b].sum(-1).astype(np.float32)).astype(np.float32)
+            acc = _fma(mins[None, :, b], ds[:, None], acc)
+    return acc if bias is None else (acc + bias.numpy()[None]).astype(np.float32)
+
+
+def _panels(codes, kind):
+    fmt = int_codes.int_format(codes)
+    assert fmt == KINDS[kind]
+    return int_codes.panels(codes, fmt), fmt
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_format_read_off_the_blocks(kind):
+    assert int_codes.int_format(_codes(kind, 16, 64, seed=3)) == KINDS[kind]
+
+
+def test_panel_layout():
+    """Panel 0, block 0: float16 scales of rows 0-15, then chunk j byte 4i + t = row i's
+    weight 4j + t (Q8_0); 4-bit: chunk j in low nibbles, chunk j + 4 in high ones."""
+    codes = _codes(Q.Q8_0, 20, 64, seed=4)
+    panels = int_codes.panels(codes, INT_Q8_0).numpy()
+    assert panels.shape == (2, 2 * int_codes.record_bytes(INT_Q8_0))
+    record = panels[0, :int_codes.record_bytes(INT_Q8_0)]
+    np.testing.assert_array_equal(record[:32].view(np.float16), codes.scales[:16, 0].numpy())
+    chunks = record[32:].view(np.int8).reshape(8, 16, 4)
+    np.testing.assert_array_equal(chunks[2, 5], codes.codes[5, 8:12].numpy())
+    assert not panels[1].reshape(2, -1)[:, :32].view(np.float16)[:, 4:].any()   # rows past N: zero
+    codes4 = _codes(Q.Q4_1, 16, 32, seed=5)
+    packed = int_codes.panels(codes4, INT_Q4_1).numpy()[0, 64:].reshape(4, 16, 4)
+    np.testing.assert_array_equal(packed[1, 3] & 15, codes4.codes[3, 4:8].numpy())
+    np.testing.assert_array_equal(packed[1, 3] >> 4, codes4.codes[3, 20:24].numpy())
+
+
+@needs_kernel
+def test_activation_quantization_matches_reference():
+    x = _inputs(5, 128, seed=6)
+    q, d, ds, _ = int_codes.quantize_rows(x, INT_Q4_1)
+    q_ref, d_ref = _quantize_ref(x.numpy())
+    np.testing.assert_array_equal(q.numpy().reshape(5, 4, 32), q_ref)
+    np.testing.assert_array_equal(d.numpy(), d_ref)
+    np.testing.assert_array_equal(ds.numpy(), (d_ref * q_ref.sum(-1).astype(np.float32)).astype(np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("num_out,num_in", [(40, 96), (576, 576)])
+def test_kernel_matches_reference_bits(kind, num_out, num_in):
+    codes = _codes(kind, num_out, num_in, seed=int(kind) + num_in)
+    panels, fmt = _panels(codes, kind)
+    x = _inputs(11, num_in, seed=7)
+    bias = torch.randn(num_out, generator=torch.Generator().manual_seed(8))
+    for b in (None, bias):
+        got = int_codes.int_linear(x, panels, fmt, codes.shape, b).numpy()
+        np.testing.assert_array_equal(got, _int_linear_ref(x, codes, fmt, b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_close_to_float_product(kind):
+    """Quantizing the inputs to 8 bits costs ~1% of a row's norm, no more."""
+    codes = _codes(kind, 64, 256, seed=9)
+    panels, fmt = _panels(codes, kind)
+    x = _inputs(3, 256, seed=10)
+    got = int_codes.int_linear(x, panels, fmt, codes.shape)
+    exact = x @ codes.expand().T
+    assert ((got - exact).norm(dim=-1) / exact.norm(dim=-1)).max() < 0.02
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_row_invariance_over_row_counts(kind):
+    """Each row's bits are the same alone, inside 1..16 rows, and inside a prefill-sized call
+    (several 64-row chunks), bfloat16 too."""
+    codes = _codes(kind, 48, 192, seed=11)
+    panels, fmt = _panels(codes, kind)
+    x = _inputs(150, 192, seed=12)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        alone = torch.cat([int_codes.int_linear(xd[i:i + 1], panels, fmt, codes.shape) for i in range(16)])
+        for rows in range(1, 17):
+            assert torch.equal(int_codes.int_linear(xd[:rows], panels, fmt, codes.shape), alone[:rows])
+        many = int_codes.int_linear(xd, panels, fmt, codes.shape)
+        assert torch.equal(many[:16], alone)
+        assert torch.equal(many[140:], int_codes.int_linear(xd[140:], panels, fmt, codes.shape))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_runnable_variant_gives_the_same_bits(kind):
+    """The AVX2 variant (vpmaddubsw) and the AVX-512 VNNI one (vpdpbusd) compute the same
+    lanes: one result, whatever the CPU. Variants this CPU cannot run are skipped."""
+    variants = [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]
+    if len(variants) < 2:
+        pytest.skip(f"only {variants} runs on this CPU")
+    codes = _codes(kind, 80, 320, seed=13)
+    panels, fmt = _panels(codes, kind)
+    x = _inputs(13, 320, seed=14)
+    results = [int_codes.int_linear(x, panels, fmt, codes.shape, library=build.load_variant(v)) for v in variants]
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+
+
+def test_forcing_the_variant_down(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_ISA", "avx2")
+    assert [v.name for v in build.candidate_variants()] == (["avx2"] if build.cpu_runs(build.VARIANTS[-1]) else [])
+    monkeypatch.setenv("SPECSERVE_ISA", "no-such-isa")           # ignored, with a warning
+    assert build.candidate_variants() == [v for v in build.VARIANTS if build.cpu_runs(v)]
