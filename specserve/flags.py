@@ -180,7 +180,8 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                                              aliases=("--speculative-ngram-max-trie-depth",)),
     "speculative_ngram_capacity": _spec("NGRAM: cache capacity in entries."),
     # ---- logging -----------------------------------------------------------------------------
-    "log_level": FlagDoc("logging", "Log level.", choices=("debug", "info", "warning", "error", "critical")),
+    "log_level": FlagDoc("logging", "How much the server logs: info shows startup and decode lines, warning "
+                         "only problems.", choices=("debug", "info", "warning", "error", "critical")),
     "decode_log_interval": FlagDoc("logging", "Decode steps between log lines (batch, tokens/s, accept "
                                    "length); 0 turns them off."),
 }

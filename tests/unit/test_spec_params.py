@@ -48,19 +48,43 @@ def test_ngram_uses_only_n():
         _resolve(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=13)
 
 
-@pytest.mark.parametrize("given", [
-    {"speculative_num_steps": 3},
-    {"speculative_eagle_topk": 2},
-    {"speculative_num_draft_tokens": 4},
-    {"speculative_num_steps": 3, "speculative_eagle_topk": 1},
+@pytest.mark.parametrize("given, shape", [
+    ({"speculative_num_steps": 2}, (2, 1, 3)),             # STANDALONE auto (3, 1, 4): K=1 makes N = S + 1
+    ({"speculative_eagle_topk": 2}, (3, 2, 4)),
+    ({"speculative_num_draft_tokens": 3}, (3, 1, 4)),      # K=1 chain: N follows S (logged)
+    ({"speculative_num_steps": 5, "speculative_eagle_topk": 1}, (5, 1, 6)),
 ])
-def test_partial_shape_is_an_error_naming_missing_flags(given):
-    with pytest.raises(ConfigError) as err:
-        _resolve(speculative_algorithm="STANDALONE", speculative_draft_model_path="d", **given)
-    message = str(err.value)
-    for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
-        if name not in given:
-            assert "--" + name.replace("_", "-") in message
+def test_partial_shape_is_filled_from_the_auto_choice(given, shape):
+    p = _resolve(speculative_algorithm="STANDALONE", speculative_draft_model_path="d", **given)
+    assert _shape(p) == shape
+
+
+def test_partial_shape_fills_an_auto_n_that_fits_the_tree():
+    """EAGLE on Llama auto-chooses (5, 4, 8); S=1, K=2 can only build 2 drafts, so the auto N is 3."""
+    p = _resolve(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=2)
+    assert _shape(p) == (1, 2, 3)
+    with pytest.raises(ConfigError, match="too large"):        # a given N is checked, not fitted
+        _resolve(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=2,
+                 speculative_num_draft_tokens=8)
+
+
+def test_ngram_default_n_follows_the_window_flag():
+    assert _resolve(speculative_algorithm="NGRAM").num_draft_tokens == 12
+    p = _resolve(speculative_algorithm="NGRAM", speculative_ngram_max_match_window_size=7)
+    assert p.num_draft_tokens == 7
+
+
+def test_policy_flag_and_its_environment_spelling(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_SPEC_POLICY", raising=False)
+    assert _resolve(speculative_algorithm="NGRAM").policy == "auto"
+    assert _resolve(speculative_algorithm="NGRAM", speculative_policy="always").policy == "always"
+    monkeypatch.setenv("SPECSERVE_SPEC_POLICY", "always")
+    assert _resolve(speculative_algorithm="NGRAM").policy == "always"
+    monkeypatch.setenv("SPECSERVE_SPEC_POLICY", "sometimes")
+    with pytest.raises(ConfigError, match="SPECSERVE_SPEC_POLICY"):
+        _resolve(speculative_algorithm="NGRAM")
+    with pytest.raises(ConfigError, match="--speculative-policy"):
+        ServerArgs(speculative_policy="never")
 
 
 def _standalone(s, k, n):
