@@ -15,8 +15,8 @@ import pytest
 from specserve.core import SamplingParams
 from specserve.engine import Engine
 
-EVAL_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "eval"
-EVAL_FILES = ("vicuna_bench.jsonl", "eagle_humaneval.jsonl", "eagle_gsm8k.jsonl", "eagle_alpaca.jsonl")
+EVAL_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"      # vendored: tests/data/README.md
+EVAL_FILES = ("vicuna_bench.jsonl", "eagle_humaneval.jsonl", "eagle_gsm8k.jsonl", "specserve_instructions.jsonl")
 COPY_TEXT = ("Repeat this text exactly: The quick brown fox jumps over the lazy dog. Pack my box with "
              "five dozen liquor jugs. How vexingly quick daft zebras jump.")
 NEW_TOKENS = 24
@@ -26,8 +26,6 @@ ENGINE_KW = {"dtype": "float32", "max_total_tokens": 8192, "context_length": 204
 
 
 def _dev_prompts() -> list[str]:
-    if not EVAL_DIR.is_dir():
-        pytest.skip(f"dev prompts not found: {EVAL_DIR} (../shared/data/eval)")
     prompts = []
     for name in EVAL_FILES:
         with open(EVAL_DIR / name) as f:

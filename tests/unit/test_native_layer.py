@@ -9,7 +9,7 @@ from specserve.kernels import layer as native_layer
 from specserve.models.attention import KVCache, TorchSDPABackend, build_metadata
 from specserve.models.layers import RotaryEmbedding
 from specserve.models.llama import LlamaDecoderLayer
-from specserve.models.packed_linear import pack_linears_for_cpu
+from specserve.models.packed_linear import has_packed_kernels, pack_linears_for_cpu
 
 pytestmark = pytest.mark.skipif(not native_layer.is_available(),
                                 reason="native kernels not built here (no AVX2 or no C compiler)")
@@ -17,6 +17,12 @@ pytestmark = pytest.mark.skipif(not native_layer.is_available(),
 CFG = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
                   num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, attention_bias=True)
 PAD_SLOT = 511
+# Where the CPU has oneDNN's bfloat16 kernels (AVX-512 BW and up), bfloat16 linears run oneDNN and
+# the native layer (which needs every linear on the skinny kernel) runs float32 only.
+BF16_ON_ONEDNN = has_packed_kernels(torch.bfloat16)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    BF16_ON_ONEDNN, reason="bfloat16 linears run oneDNN on this CPU, so the native layer runs float32 only "
+                           "(see test_the_native_layer_runs_where_its_linears_run_the_skinny_kernel)"))]
 
 
 def _layer(dtype: torch.dtype) -> LlamaDecoderLayer:
@@ -63,6 +69,15 @@ def _run(layer, h, prefix_lens, extend_lens, slot_rows, new_slots, tree_masks=No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_layer_runs_where_its_linears_run_the_skinny_kernel(dtype):
+    layer = _layer(dtype)
+    runs_native = dtype == torch.float32 or not BF16_ON_ONEDNN
+    with torch.inference_mode():
+        assert layer.can_run_native(5) == runs_native
+    assert (layer.mlp.down_proj.skinny_max_rows >= 5) == runs_native
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_native_layer_matches_the_torch_layer(dtype):
     layer = _layer(dtype)
     h = torch.randn(5, CFG.hidden_size).to(dtype)
@@ -75,7 +90,7 @@ def test_native_layer_matches_the_torch_layer(dtype):
     torch.testing.assert_close(native_cache.v.float(), reference_cache.v.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
     """Node 2 of the tree root -> {1, 2} (parents 0, 0) sees the prefix and the root, as the
     plain decode of the same token at the same position does (after the root's decode)."""
