@@ -29,16 +29,26 @@ SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "ig
 
 def build_generate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve generate",
-                                     description="Generate text for one prompt and print it.")
-    parser.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--show-meta", action="store_true", help="print meta_info (JSON) on stderr")
+                                     usage="%(prog)s [PROMPT] [--chat] [sampling options] [server options]",
+                                     description="Generate text for one prompt with the offline Engine and "
+                                                 "print it. Server options are launch_server's flags.")
+    sampling = parser.add_argument_group("prompt and sampling options")
+    sampling.add_argument("prompt", nargs="?", help="prompt text; read from stdin when omitted")
+    sampling.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    sampling.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                          help="most tokens to generate (default: 128)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="X",
+                          help="sampling temperature; 0 is greedy (default: 0)")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="X",
+                          help="nucleus sampling: keep the smallest set of tokens with this much probability "
+                               "(default: 1.0, off)")
+    sampling.add_argument("--top-k", type=int, default=-1, metavar="N",
+                          help="sample among the N most likely tokens; -1 keeps all (default: -1)")
+    sampling.add_argument("--seed", type=int, default=None, metavar="N",
+                          help="seed of this request's sampling (default: unset)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    sampling.add_argument("--show-meta", action="store_true",
+                          help="print meta_info (token counts, speculative accept length) as JSON on stderr")
     ServerArgs.add_cli_args(parser)
     return parser
 
