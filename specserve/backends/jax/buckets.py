@@ -7,9 +7,9 @@ tokens each (padded to a query bucket). SGL-JAX's flags choose them:
 largest bucket round up to a power of two (compiled on first use, with a warning).
 
 Row invariance: XLA's CPU matmul takes a one-row kernel for one row, another for 2 to
-32 rows and a third from 64 rows on, and their roundings differ. So no decode forward
-runs one row (``MIN_ROWS``): a decode step and a verify of the same request (up to
-32 rows in all) then take the same kernel and give the same bits.
+32 rows and a third beyond, and their roundings differ. ``model.matmul_rows`` takes
+wider forwards 32 rows at a time, and no forward runs a single row (``MIN_ROWS``): every
+product then takes the 2..32-row kernel, so a row's bits do not depend on the batch.
 """
 from __future__ import annotations
 

@@ -6,8 +6,10 @@ in place. The layers run under ``lax.scan`` over the stacked parameters.
 
 Arithmetic follows the torch model (``models/llama.py``, ``models/layers.py``):
 RMSNorm statistics before the weight, rotate-half rope from the same cos/sin table,
-SiLU-gated MLP, attention scale 1/sqrt(head_dim). Norm statistics run in float64 so
-that a row's result does not depend on how many rows share the forward.
+SiLU-gated MLP, attention scale 1/sqrt(head_dim). Row invariance (a row's result does
+not depend on how many rows share the forward, so verifying a tree gives the bits
+plain decoding gives): norm statistics run in float64, matmuls in blocks of
+``ROW_BLOCK`` rows (``matmul_rows``), attention as ``attention.py`` says.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from specserve.backends.jax.attention import attention_mask_fn, paged_attention
+
+ROW_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,20 @@ def rotate(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def matmul_rows(x, w):
+    """x @ w with rows taken ``ROW_BLOCK`` at a time: XLA's CPU matmul rounds one row, 2 to 32
+    rows and more rows differently, so every forward of more than one row runs 2..32-row
+    products, and a row's bits do not depend on how many rows share the forward."""
+    num_rows = x.shape[0]
+    if num_rows <= ROW_BLOCK:
+        return x @ w
+    pad = -num_rows % ROW_BLOCK
+    blocks = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, ROW_BLOCK, x.shape[1])
+    return jax.lax.map(lambda block: block @ w, blocks).reshape(-1, w.shape[1])[:num_rows]
+
+
 def _linear(x, layer, weight: str, bias: str):
-    out = x @ layer[weight]
+    out = matmul_rows(x, layer[weight])
     return out + layer[bias] if bias in layer else out
 
 
@@ -66,7 +82,7 @@ def _attention_block(x, layer, layer_index, caches, batch, cos, sin, s: StaticSh
     q = q.reshape(bsz, num_q, s.num_kv_heads, group, s.head_dim)
     mask_fn = attention_mask_fn(batch["prefix_len"], batch["extend_len"], batch["tree_mask"])
     out = paged_attention(q, k_cache, v_cache, base, batch["kv_slots"], batch["num_blocks"], mask_fn)
-    out = out.reshape(num_tokens, s.num_heads * s.head_dim) @ layer["wo"]
+    out = matmul_rows(out.reshape(num_tokens, s.num_heads * s.head_dim), layer["wo"])
     return out, (k_cache, v_cache)
 
 
@@ -96,5 +112,5 @@ def forward_step(params, k_cache, v_cache, cos_table, sin_table, batch, *, shape
     xs = (params["layers"], jnp.arange(num_layers, dtype=jnp.int32))
     (h, (k_cache, v_cache)), layer_inputs = jax.lax.scan(layer_step, (h, (k_cache, v_cache)), xs)
     hidden = rms_norm(h, params["norm"], shape.eps)
-    logits = hidden[batch["logit_rows"]] @ params["lm_head"]
+    logits = matmul_rows(hidden[batch["logit_rows"]], params["lm_head"])
     return logits.astype(jnp.float32), hidden, layer_inputs, k_cache, v_cache

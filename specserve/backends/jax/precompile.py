@@ -12,6 +12,8 @@ import time
 
 from tqdm import tqdm
 
+from specserve.backends.jax.buckets import MIN_ROWS
+
 logger = logging.getLogger(__name__)
 
 VERIFY_WIDTHS = (4, 8, 16, 64)      # one request's verify widths the policy's cost curve times
@@ -22,7 +24,7 @@ def precompile_plan(buckets, *, max_running: int, chunk_size: int, spec_width: i
     plan = []
     for tokens in buckets.token_paddings:
         if tokens <= chunk_size:
-            plan.append((*buckets.shape(1, tokens), 1))
+            plan.append((*buckets.shape(1, tokens), MIN_ROWS))
     for bs in buckets.bs_paddings:
         if bs > max_running:
             continue

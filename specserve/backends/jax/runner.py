@@ -23,7 +23,7 @@ import torch
 from specserve.backends.jax import setup  # noqa: F401  (x64, compilation cache: before jax use)
 from specserve.backends.jax import sharding
 from specserve.backends.jax.attention import KEY_BLOCK
-from specserve.backends.jax.buckets import Buckets
+from specserve.backends.jax.buckets import MIN_ROWS, Buckets
 from specserve.backends.jax.model import StaticShape, forward_step
 from specserve.backends.jax.params import collect_params
 from specserve.backends.jax.target_shell import TargetShell
@@ -171,7 +171,7 @@ class JaxModelRunner:
             logit_rows.extend(rows[len(rows) - spec.num_logits:] if spec.num_logits else [])
         num_keys = int((arrays["prefix_len"] + arrays["extend_len"]).max())
         arrays["num_blocks"] = np.int32(-(-num_keys // KEY_BLOCK))
-        width = bsz if all(s.num_logits <= 1 for s in specs) else bsz * num_q
+        width = max(bsz if all(s.num_logits <= 1 for s in specs) else bsz * num_q, MIN_ROWS)
         arrays["logit_rows"] = np.zeros(width, np.int32)
         arrays["logit_rows"][:len(logit_rows)] = logit_rows
         return arrays, np.asarray(token_rows, dtype=np.int64), len(logit_rows)
