@@ -56,9 +56,9 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     args = _prepare_args(args, device)
-    model_path = args.model_path or resolve_model_path(None)
+    model_path = args.model_path or _default_model()
     cfg, weights = _read_target(args, model_path)
-    tokenizer = Tokenizer.load(args.tokenizer_path or model_path)
+    tokenizer = _load_tokenizer(args, model_path)
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
     args = _with_shipped_draft(args, model_path, device, dtype)
@@ -127,8 +127,9 @@ def _build_runner(args: ServerArgs, cfg: ModelConfig, weights, dtype: torch.dtyp
                                 spec_algorithm=spec.algorithm if spec else None)
     runner = ModelRunner(cfg, weights, dtype=dtype, device=device, max_position=max_position,
                          num_kv_slots=num_kv_slots, page_size=args.page_size, max_rows=max_running,
-                         max_row_len=max_row_len)
+                         max_row_len=max_row_len, quantization=args.quantization if device == "cpu" else None)
     runner.model.backend = attention
+    logger.info("CPU kernels: %s variant, --quantization %s", skinny.kernel_variant(), args.quantization or "unquant")
     warm_up_packed_linears(runner.model, min(max_running * spec_width, WARM_UP_MAX_ROWS))
     return runner
 
@@ -166,17 +167,34 @@ def _local_paths(args: ServerArgs, device: str) -> ServerArgs:
     return dataclasses.replace(args, **changes) if changes else args
 
 
+def _default_model() -> str:
+    try:
+        return resolve_model_path(None)
+    except (OSError, RuntimeError) as exc:
+        raise ConfigError(f"the default model could not be fetched ({' '.join(str(exc).split())[:300]}); "
+                          f"pass --model-path") from None
+
+
 def _read_target(args: ServerArgs, model_path: str):
     """(config, weights) of the target, with every problem a ConfigError naming --model-path."""
     try:
         check_load_format(model_path, args.load_format)
         cfg, weights = read_checkpoint(model_path)
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"--model-path {args.model_path or model_path}: {exc}") from None
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        reason = f"config.json lacks {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ConfigError(f"--model-path {args.model_path or model_path}: {reason}") from None
     check_architecture(cfg, model_path)
     return cfg, weights
+
+
+def _load_tokenizer(args: ServerArgs, model_path: str) -> Tokenizer:
+    flag, path = ("--tokenizer-path", args.tokenizer_path) if args.tokenizer_path else ("--model-path", model_path)
+    try:
+        return Tokenizer.load(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{flag} {path}: {exc} (point --tokenizer-path at the tokenizer files)") from None
 
 
 def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: torch.dtype) -> ServerArgs:

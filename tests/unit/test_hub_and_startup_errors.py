@@ -113,3 +113,15 @@ def test_launch_with_a_missing_path_exits_2(tmp_path):
 def test_launch_with_a_memory_budget_that_does_not_fit_names_the_flags(default_gguf_path):
     proc = _launch("--model-path", default_gguf_path, "--mem-fraction-static", "0.0001")
     _assert_one_line_error(proc, "not enough memory", "--mem-fraction-static")
+
+
+def test_launch_with_a_model_dir_without_tokenizer_exits_2(tmp_path, hf_export_dir):
+    """A checkpoint directory whose tokenizer files are missing: one error line naming the flags."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_export_dir, model)
+    for file in model.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            file.unlink()
+    _assert_one_line_error(_launch("--model-path", str(model)), "--model-path", "--tokenizer-path")
