@@ -50,20 +50,21 @@ def _data_parallel(args: "ServerArgs") -> str | None:
             f"behind a load balancer for more")
 
 
+APPLIED_QUANTIZATIONS = (None, "unquant", "gguf")     # gguf: integer kernels on CPU (packed_linear.py)
+
+
 def _quantization(args: "ServerArgs") -> str | None:
     method = args.quantization
-    if method is None or method == "unquant":
+    if method in APPLIED_QUANTIZATIONS:
         return None
     return (f"--quantization {method}: not applied, weights load as the checkpoint stores them "
-            f"(a GGUF's Q4_0/Q4_1/Q8_0 blocks run as codes on CPU)")
+            f"(only gguf, integer kernels over a GGUF's blocks on CPU, is available here)")
 
 
 def _draft_quantization(args: "ServerArgs") -> str | None:
     method = args.speculative_draft_model_quantization
-    if method is None:
+    if method in APPLIED_QUANTIZATIONS:
         return None
-    if method == "unquant":
-        return "--speculative-draft-model-quantization unquant: the draft runs unquantized (as every draft does here)"
     return (f"--speculative-draft-model-quantization {method}: not applied, the draft runs unquantized in "
             f"the server's dtype")
 

@@ -85,9 +85,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "load_format": _model("Weight format: auto detects a .gguf file or an HF safetensors directory; "
                           "safetensors or gguf insist on one. SGLang's other formats are refused with a "
                           "message.", choices=LOAD_FORMATS),
-    "quantization": _model("Quantization method, SGLang's names. Weights load as stored here (a GGUF's Q4/Q8 "
-                           "blocks run as codes on CPU); another method is logged as not applied.",
-                           choices=QUANTIZATIONS),
+    "quantization": _model("Quantization method, SGLang's names. gguf: on CPU, linears with GGUF Q4_0/Q4_1/Q8_0 "
+                           "blocks run integer kernels (faster; results differ from the dequantized model as "
+                           "llama.cpp's do). Unset or unquant: exact float arithmetic over the blocks. Other "
+                           "methods are logged as not applied.", choices=QUANTIZATIONS),
     # ---- serving -----------------------------------------------------------------------------
     "host": _serving("Address to listen on."),
     "port": _serving("Port to listen on."),
@@ -153,8 +154,9 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                                    "EAGLE3 heads carry their own draft vocabulary and ignore it (logged)."),
     "speculative_attention_mode": _spec("Attention for verification, SGLang's prefill or decode kernels; "
                                         "both run the same tree attention here.", choices=("prefill", "decode")),
-    "speculative_draft_model_quantization": _spec("Quantization of the draft; unquant keeps it unquantized, "
-                                                  "which every draft is here.", choices=QUANTIZATIONS),
+    "speculative_draft_model_quantization": _spec("Quantization of the STANDALONE draft model (default: the "
+                                                  "target's --quantization); unquant keeps the draft exact "
+                                                  "even when the target runs gguf.", choices=QUANTIZATIONS),
     "speculative_draft_attention_backend": _spec("Attention backend of the draft (default: the target's); "
                                                  "the draft runs the target's attention here.",
                                                  choices=ATTENTION_BACKENDS),

@@ -24,7 +24,7 @@ SGLANG_DOC_FLAGS = [
     "--speculative-token-map", "thunlp/LLaMA3-Instruct-8B-FR-Spec/freq_32768.pt",
     "--speculative-attention-mode", "decode", "--speculative-draft-attention-backend", "fa3",
     "--speculative-moe-runner-backend", "triton", "--speculative-moe-a2a-backend", "deepep",
-    "--speculative-draft-model-quantization", "unquant", "--enable-multi-layer-eagle",
+    "--speculative-draft-model-quantization", "fp8", "--enable-multi-layer-eagle",
     "--enable-torch-compile", "--torch-compile-max-bs", "8", "--cuda-graph-max-bs", "8",
     "--mem-fraction-static", "0.7", "--dtype", "float16", "--log-level", "warning", "--trust-remote-code",
     "--max-running-requests", "4", "--disable-overlap-schedule", "--enable-dp-attention", "--dp-size", "2",
@@ -55,6 +55,8 @@ def test_every_inapplicable_flag_given_logs_one_line():
                  "--trust-remote-code", "--stream-interval", "--disable-cuda-graph", "--attention-backend"):
         assert sum(flag + " " in line or line.startswith(flag + ":") for line in notes) >= 1, flag
     assert startup_notes(ServerArgs()) == []                    # defaults say nothing
+    # applied here, so nothing to say: gguf runs the integer kernels, unquant keeps the draft exact
+    assert startup_notes(ServerArgs(quantization="gguf", speculative_draft_model_quantization="unquant")) == []
 
 
 def test_sglang_environment_switches_are_reported(monkeypatch):
