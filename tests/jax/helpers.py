@@ -7,7 +7,7 @@ import torch
 from specserve.core import SamplingParams
 from specserve.engine import Engine
 
-SMALL_BUCKETS = {"precompile_bs_paddings": "1,2,4,8,16", "precompile_token_paddings": "16,64",
+SMALL_BUCKETS = {"precompile_bs_paddings": "4,16", "precompile_token_paddings": "64",
                  "disable_precompile": True}
 
 

@@ -46,7 +46,7 @@ def _target_and_kwargs(tiny: dict[str, str], algo: str) -> tuple[str, dict]:
 @pytest.mark.parametrize("algo", ["NGRAM", "EAGLE", "EAGLE3"])
 def test_greedy_speculation_equals_plain_decoding(tiny, algo):
     model, kwargs = _target_and_kwargs(tiny, algo)
-    prompts = random_prompts(8, seed=1)
+    prompts = random_prompts(6, seed=1)
     plain = staggered(tiny_engine(model), prompts)
     engine = tiny_engine(model, **kwargs)
     assert engine.engine.spec_worker is not None, "the draft did not load"

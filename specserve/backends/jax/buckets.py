@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BS_PADDINGS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_TOKEN_PADDINGS = (16, 64, 128, 256, 512)
-SMALL_QUERY_PADDINGS = (1, 2, 4, 8, 16, 32)
+SMALL_QUERY_PADDINGS = (1, 4, 8, 16, 32)
 MIN_ROWS = 2
 
 
