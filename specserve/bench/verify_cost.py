@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--widths", default=DEFAULT_WIDTHS, help="new tokens per forward; default %(default)s")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (C)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--quantization", default=None, choices=("unquant", "gguf"),
+                        help="linear path: gguf = integer kernels on the GGUF blocks, unquant = exact "
+                             "float (default: the engine's)")
     parser.add_argument("--repeats", type=int, default=10, help="timed forwards per width (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per width first")
     parser.add_argument("--mask", choices=("causal", "tree"), default="causal",
@@ -39,7 +42,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.context < 1:
         raise ValueError("--context must be >= 1")
     dtypes = parse_dtypes(args.dtypes)
+    from specserve.kernels import skinny
+
     result: dict[str, Any] = {"benchmark": "verify_cost", "model_path": args.model_path, "context": args.context,
+                              "quantization": args.quantization, "kernel_variant": skinny.kernel_variant(),
                               "widths": widths, "repeats": args.repeats, "mask": args.mask, "curves": {}}
     for dtype in dtypes:
         result["curves"][dtype] = _run_dtype(args, dtype, widths)
@@ -66,7 +72,8 @@ def _run_dtype(args, dtype: str, widths: list[int]) -> list[dict[str, Any]]:
     try:
         need = args.context + max(widths) + 64
         engine = serving.make_engine(serving.engine_kwargs(args, dtype, disable_radix_cache=True,
-                                                           max_total_tokens=max(need, args.context_length + 64)))
+                                                           max_total_tokens=max(need, args.context_length + 64),
+                                                           quantization=args.quantization))
         core = engine.engine
         if args.context + max(widths) > core.context_len:
             raise ValueError(f"--context {args.context} + width {max(widths)} exceeds the engine's "
@@ -145,4 +152,6 @@ def _print(result: dict[str, Any]) -> None:
         rows.append([f"{dtype} x W=1"] + [r["ratio_vs_w1"] for r in curve])
     report.print_table(["W"] + [str(w) for w in widths], rows,
                        title=f"verify-width cost: one forward of W new tokens on a {result['context']}-token "
-                             f"context, batch 1, median of {result['repeats']} ({result['mask']} mask)")
+                             f"context, batch 1, median of {result['repeats']} ({result['mask']} mask, "
+                             f"--quantization {result['quantization'] or 'unquant'}, {result['kernel_variant']} "
+                             f"kernels)")

@@ -33,15 +33,43 @@ static void rms_norm(const void *h, const void *w, void *out, int T, int H, floa
     }
 }
 
+/* out[0..8) = round(x * c) + round(r * s) on 8 lanes. Intrinsics, not a scalar loop: the
+   compiler may version a plain loop (vector / scalar by a runtime aliasing check on the
+   addresses) and fuse the multiply-add differently in each version, so a row's bits would
+   depend on where its buffers happen to lie. */
+static inline __m256 rotate8(__m256 x, __m256 c, __m256 r, __m256 s, int is_bf16) {
+    return _mm256_add_ps(round_to8(_mm256_mul_ps(x, c), is_bf16), round_to8(_mm256_mul_ps(r, s), is_bf16));
+}
+
+/* rotate-half rotary of one head (buf: its hd values; hd % 16 == 0) into qkv at base */
+static void rotary_head8(void *qkv, long base, const float *buf, const char *cos, const char *sin, int hd,
+                         int is_bf16) {
+    const int half = hd / 2, esize = is_bf16 ? 2 : 4;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    char *out = (char *)qkv + base * esize;
+    for (int d = 0; d < half; d += 8) {
+        const __m256 x1 = _mm256_loadu_ps(buf + d), x2 = _mm256_loadu_ps(buf + half + d);
+        store8(out + d * esize, rotate8(x1, load8(cos + d * esize, is_bf16), _mm256_xor_ps(x2, sign),
+                                        load8(sin + d * esize, is_bf16), is_bf16), is_bf16);
+        store8(out + (half + d) * esize, rotate8(x2, load8(cos + (half + d) * esize, is_bf16), x1,
+                                                 load8(sin + (half + d) * esize, is_bf16), is_bf16), is_bf16);
+    }
+}
+
 /* rotate-half rotary, in place, on heads [first, first + count) of each row of qkv (stride ld) */
 static void rotary(void *qkv, long ld, int first, int count, const void *cos, const void *sin,
                    int T, int hd, int is_bf16) {
-    const int half = hd / 2;
+    const int half = hd / 2, esize = is_bf16 ? 2 : 4;
     float buf[512];
     for (int t = 0; t < T; t++) {
         for (int head = first; head < first + count; head++) {
             const long base = (long)t * ld + (long)head * hd;
             for (int d = 0; d < hd; d++) buf[d] = get_elem(qkv, base + d, is_bf16);
+            if (hd % 16 == 0) {
+                rotary_head8(qkv, base, buf, (const char *)cos + (long)t * hd * esize,
+                             (const char *)sin + (long)t * hd * esize, hd, is_bf16);
+                continue;
+            }
             for (int d = 0; d < hd; d++) {
                 const float rotated = d < half ? -buf[d + half] : buf[d - half];
                 const float a = round_to(buf[d] * get_elem(cos, (long)t * hd + d, is_bf16), is_bf16);

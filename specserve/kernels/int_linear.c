@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
         }
-        for (int r = 0; r < R; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
             const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
             __m512i s0 = _mm512_set1_epi32(a->start[i]), s1 = _mm512_setzero_si512();
@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             }
         }
-        for (int r = 0; r < R; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
             const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
             __m256i s = _mm256_set1_epi32(a->start[i]);

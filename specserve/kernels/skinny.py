@@ -42,6 +42,11 @@ def is_available() -> bool:
     return _function() is not None
 
 
+def kernel_variant() -> str:
+    """The ISA variant of the CPU kernels in use ("avx512_vnni", "avx2"), or "none"."""
+    return build.variant_name()
+
+
 def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear(x, weight)`` applies (the caller checks grad mode)."""
     return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPE_CODES

@@ -78,6 +78,13 @@ class LlamaDecoderLayer(nn.Module):
         return (bool(self._native_linears) and all(m.skinny_max_rows >= num_rows for m in self._native_linears)
                 and not torch.is_grad_enabled())
 
+    def is_integer(self) -> bool:
+        """Whether every linear runs the integer kernel (``--quantization gguf``): then every
+        forward, prefill too, runs natively, so a row's bits never depend on which path its
+        batch took (the torch layer's norms and adds may differ in the last place, which an
+        8-bit input quantization can turn into a different code)."""
+        return bool(self._native_linears) and all(m.int_panels is not None for m in self._native_linears)
+
     def forward_native(self, h: torch.Tensor, cos, sin, cache, meta) -> None:
         """The layer in one native call, for decode-shaped forwards (``meta.row_batch`` set);
         updates ``h`` in place. The weights' addresses are taken on the first call: the
@@ -132,11 +139,12 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)                              # [T, H]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
         aux: list[torch.Tensor] = []
-        is_native = meta.row_invariant and meta.row_batch is not None   # decode-shaped, kernels built
         for i, layer in enumerate(self.model.layers):
+            is_native = (meta.row_batch is not None and layer.can_run_native(h.shape[0])  # kernels built
+                         and (meta.row_invariant or layer.is_integer()))      # decode-shaped, or integer
             if i in self.aux_layer_ids:
                 aux.append(h.clone() if is_native else h)
-            if is_native and layer.can_run_native(h.shape[0]):
+            if is_native:
                 layer.forward_native(h, cos, sin, cache, meta)
             else:
                 h = layer(h, cos, sin, cache, meta, self.backend)

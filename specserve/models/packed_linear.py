@@ -32,6 +32,14 @@ rebuild the weight bit for bit, and the kernel streams the codes (6-12 bits a we
 of the dense weight: the same result bits, a fraction of the memory traffic. Measured on an
 AVX2 AMD EPYC, one thread, all of the default model's linears: float32 one row 2.5x faster,
 8 rows 1.1x, 32 rows 1.1x; bfloat16 one row 1.3x, 4 rows 1.0x, 32 rows 1.2x.
+
+``quantization="gguf"`` (SGLang's name; ``--quantization gguf``) trades those exact bits for
+speed: linears whose weights carry Q4_0 / Q4_1 / Q8_0 blocks run the integer kernel
+(``kernels/int_linear.c``) for every input, prefill too: each input row is quantized to 8 bits
+per block of 32 and multiplied in integer SIMD against the blocks, as llama.cpp does. Results then
+differ from the dequantized float32 model (greedy output differs from HF float32 the way
+llama.cpp's does) but stay row invariant: a row's bits never depend on the other rows, so
+speculative output equals plain decoding on this path too. Other linears keep the paths above.
 """
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels import skinny
+from specserve.kernels import int_codes, skinny
 from specserve.kernels.coded import BlockCodes
 
 logger = logging.getLogger(__name__)
@@ -50,6 +58,7 @@ logger = logging.getLogger(__name__)
 FLOAT32_PLAIN_MAX_ROWS = 3
 FLOAT32_SKINNY_MAX_ROWS = 32
 ALL_ROWS = 2**62
+INTEGER_QUANTIZATION = "gguf"       # --quantization value of the integer kernels
 
 
 class Linear(nn.Linear):
@@ -65,6 +74,8 @@ class Linear(nn.Linear):
     coded_records: torch.Tensor | None = None  # the weight's code blocks, laid out for the kernel
     coded_format: int = 0                      # their coded_linear.c format
     native_weights: skinny.LinearWeights | None = None   # what the skinny kernel reads
+    int_panels: torch.Tensor | None = None     # the GGUF blocks for the integer kernel (gguf path)
+    int_format: int = 0                        # their int_codes format
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.skinny_max_rows * self.in_features and not torch.is_grad_enabled():
@@ -86,15 +97,15 @@ class Linear(nn.Linear):
         the code blocks (they described the old one)."""
         native = self.native_weights
         if native is None or native.dense != self.weight.data_ptr():
-            self.coded_records = None
+            self.coded_records = self.int_panels = None
             native = self.native_weights = skinny.linear_weights(self.weight.detach())
         return native
 
     def unpack(self) -> None:
         """Back to ``F.linear`` on ``self.weight`` (before training, or before changing it)."""
         self.packed_weight = self.compute_dtype = self.compute_bias = self.skinny_bias = None
-        self.coded_records = self.native_weights = None
-        self.plain_max_rows, self.pads_single_row, self.skinny_max_rows = 0, False, 0
+        self.coded_records = self.native_weights = self.int_panels = None
+        self.plain_max_rows, self.pads_single_row, self.skinny_max_rows, self.int_format = 0, False, 0, 0
 
 
 def can_pack() -> bool:
@@ -113,9 +124,10 @@ def has_packed_kernels(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
+def pack_linears_for_cpu(model: nn.Module, quantization: str | None = None) -> int:
     """Prepack every CPU float32/bfloat16 ``Linear`` of ``model`` (or route it to the skinny
-    kernel); returns how many."""
+    kernel; with ``quantization="gguf"``, those with GGUF blocks to the integer kernel);
+    returns how many."""
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -124,6 +136,8 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
         if weight.dtype not in (torch.float32, torch.bfloat16):
             continue
         count += 1
+        if _keeps_integer(module) or (quantization == INTEGER_QUANTIZATION and _use_integer(module)):
+            continue                   # every input runs the integer kernel
         if _use_skinny(module) and module.skinny_max_rows == ALL_ROWS:
             continue                   # nothing to pack: every input runs the skinny kernel
         if has_packed_kernels(weight.dtype):
@@ -157,6 +171,31 @@ def _use_skinny(module: Linear) -> bool:
         module.coded_records = None        # no codes, or those of a replaced weight
     module.native_weights = skinny.linear_weights(weight.detach(), module.coded_records, module.coded_format,
                                                   module.skinny_max_rows)
+    return True
+
+
+def _keeps_integer(module: Linear) -> bool:
+    """Packed for the integer kernel before, and the weight is the same: stays so (packing again,
+    e.g. a draft head's, must not move a shared layer off the path)."""
+    native = module.native_weights
+    return module.int_panels is not None and native is not None and native.dense == module.weight.data_ptr()
+
+
+def _use_integer(module: Linear) -> bool:
+    """Route every input to the integer kernel over the weight's GGUF blocks, if it has blocks
+    the kernel takes and the kernels are built here."""
+    weight = module.weight
+    codes = getattr(weight, "block_codes", None)
+    if codes is None or not weight.is_contiguous() or not int_codes.is_available():
+        return False
+    fmt = int_codes.int_format(codes)
+    if fmt is None or not _rebuilds(codes, weight):
+        return False
+    module.int_panels, module.int_format = int_codes.panels(codes, fmt), fmt
+    module.coded_records, module.packed_weight, module.skinny_max_rows = None, None, ALL_ROWS
+    module.skinny_bias = None if module.bias is None else module.bias.detach().float()
+    module.native_weights = skinny.linear_weights(weight.detach(), int_panels=module.int_panels, int_format=fmt)
+    del weight.block_codes                 # the panels hold them now
     return True
 
 

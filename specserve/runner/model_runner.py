@@ -50,9 +50,9 @@ class ExtendSpec:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                  *, dtype: torch.dtype, device: str, max_position: int, num_kv_slots: int,
-                 page_size: int, max_rows: int, max_row_len: int) -> None:
+                 page_size: int, max_rows: int, max_row_len: int, quantization: str | None = None) -> None:
         self.config, self.dtype, self.device = model_config, dtype, torch.device(device)
-        self.model = build_model(model_config, weights, dtype, device, max_position)
+        self.model = build_model(model_config, weights, dtype, device, max_position, quantization)
         self._init_slots(num_kv_slots, page_size, max_rows, max_row_len)
 
     def _init_slots(self, num_kv_slots: int, page_size: int, max_rows: int, max_row_len: int) -> None:
@@ -147,15 +147,16 @@ def _features(kind: str, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch
 
 
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                device: str, max_position: int) -> LlamaForCausalLM:
-    """Materialize the model directly in ``dtype`` on ``device`` and load weights strictly."""
+                device: str, max_position: int, quantization: str | None = None) -> LlamaForCausalLM:
+    """Materialize the model directly in ``dtype`` on ``device`` and load weights strictly;
+    ``quantization`` "gguf": CPU linears with GGUF blocks run the integer kernels."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.load_weights(weights)
     model.init_rotary(max_position, device)
-    pack_linears_for_cpu(model)
+    pack_linears_for_cpu(model, quantization)
     return model.eval()
 
 

@@ -52,7 +52,8 @@ class DraftModelProposer(MirroredDraftProposer):
         self.runner = ModelRunner(cfg, weights, dtype=target.dtype, device=str(target.device),
                                   max_position=ctx.context_len + ctx.params.num_draft_tokens + self.num_steps + 1,
                                   num_kv_slots=self.num_draft_slots, page_size=1, max_rows=ctx.num_rows * self.topk,
-                                  max_row_len=ctx.context_len + self.num_steps + 2)
+                                  max_row_len=ctx.context_len + self.num_steps + 2,
+                                  quantization=_draft_quantization(ctx.server_args, target.device.type))
 
     # ---- prefill ----------------------------------------------------------------------
     def on_prefill(self, engine, items: list) -> None:
@@ -148,3 +149,10 @@ def _state(req: Request) -> _DraftState:
         state.proposer = _DraftState()
     return state.proposer
 
+
+def _draft_quantization(args, device_type: str) -> str | None:
+    """SGLang's rule: the draft's own --speculative-draft-model-quantization, else the target's
+    --quantization (CPU only: "gguf" selects the integer kernels there)."""
+    if device_type != "cpu":
+        return None
+    return getattr(args, "speculative_draft_model_quantization", None) or getattr(args, "quantization", None)
