@@ -15,6 +15,7 @@ from specserve.config import ServerArgs
 from specserve.core import Request, SamplingParams, StepOutput, TokenResult, new_rid
 from specserve.engine_setup import EngineParts, build_engine_parts
 from specserve.runner.model_runner import ExtendSpec
+from specserve.runner.openmp_pool import release_thread_team
 from specserve.runner.sampler import SamplingBatch, compute_logprobs, sample
 from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.tokenizer import TextStreamer
@@ -51,11 +52,16 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Synchronous core. Not thread-safe: one thread calls every method."""
+    """Synchronous core. Not thread-safe: one thread calls every method.
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    ``detokenize=False`` (the model process of the HTTP server) leaves text to the caller:
+    outputs carry token ids only, and a request is detokenized here only when its stop
+    strings need the text to decide where it ends."""
+
+    def __init__(self, server_args: ServerArgs, detokenize: bool = True) -> None:
         parts: EngineParts = build_engine_parts(server_args)
         self.server_args = server_args
+        self.detokenize = detokenize
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
         self.runner = parts.runner
@@ -83,7 +89,8 @@ class LLMEngine:
         if sampling.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         self.requests[rid] = req
-        self.streamers[rid] = TextStreamer(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
+        if self.detokenize or sampling.stop:
+            self.streamers[rid] = TextStreamer(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
         self.scheduler.add(req)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(input_ids)
@@ -212,7 +219,7 @@ class LLMEngine:
         """Append tokens one by one, stopping exactly where a stop condition hits."""
         if req.first_token_time is None:
             req.first_token_time = time.time()
-        streamer = self.streamers[req.rid]
+        streamer = self.streamers.get(req.rid)
         accepted: list[int] = []
         text = ""
         stopped_by_string = False
@@ -225,7 +232,7 @@ class LLMEngine:
             if req.sampling.return_logprob and i < len(result.logprobs):
                 req.output_logprobs.append(result.logprobs[i])
                 req.output_top_logprobs.append(result.top_logprobs[i])
-            delta, matched = streamer.feed([token])
+            delta, matched = streamer.feed([token]) if streamer is not None else ("", None)
             text += delta
             if matched is not None:
                 req.finish("stop", matched)
@@ -239,7 +246,7 @@ class LLMEngine:
         logprobs = req.output_logprobs[-n:] if req.sampling.return_logprob else []
         top = req.output_top_logprobs[-n:] if req.sampling.return_logprob else []
         if req.is_finished:
-            if not stopped_by_string:
+            if not stopped_by_string and streamer is not None:
                 text += streamer.flush()
             self.scheduler.release(req)
             return self._final_output(req, accepted, text, logprobs, top)
@@ -317,12 +324,21 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         self.engine = LLMEngine(self.server_args)
         self.tokenizer = self.engine.tokenizer
+        release_thread_team()   # whichever thread calls generate() computes at full speed
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None) -> dict | list[dict]:
         prompts, is_batch = _as_batch(prompt, input_ids, self.tokenizer)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         rids = [self.engine.add_request(None, ids, SamplingParams(**(p or {}))) for ids, p in zip(prompts, params)]
+        try:
+            results = self._run_until_done(rids)
+        finally:
+            release_thread_team()   # the next caller, on any thread, owns the only OpenMP team
+        ordered = [results[r] for r in rids]
+        return ordered if is_batch else ordered[0]
+
+    def _run_until_done(self, rids: list[str]) -> dict[str, dict]:
         results = {rid: {"text": "", "output_ids": [], "meta_info": {}} for rid in rids}
         pending = set(rids)
         while pending:
@@ -335,8 +351,7 @@ class Engine:
                 if out.finished:
                     res["meta_info"] = dict(out.meta_info, id=out.rid, finish_reason=out.finish_reason)
                     pending.discard(out.rid)
-        ordered = [results[r] for r in rids]
-        return ordered if is_batch else ordered[0]
+        return results
 
     def shutdown(self) -> None:
         self.engine = None

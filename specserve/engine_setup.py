@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 CPU_CHUNKED_PREFILL = 512
 CUDA_CHUNKED_PREFILL = 8192
+# While requests decode, a CPU prefill step takes at most this many tokens: about as long as a
+# decode step of a dozen requests here, so a burst of prompts delays each running stream's next
+# token by one short step at a time (prefill cost per token is flat above ~64 tokens on a CPU).
+CPU_PREFILL_BUDGET_WHILE_DECODING = 128
 DEFAULT_MAX_RUNNING = {"cpu": 64, "cuda": 256}
 WARM_UP_MAX_ROWS = 96     # forward widths whose oneDNN kernels are built at startup
 
@@ -108,7 +112,9 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
             _fall_back_to_plain(args, exc)
             runner.capture_features, runner.model.aux_layer_ids = None, ()
     scheduler = Scheduler(pool, radix, max_running_requests=max_running, chunk_size=_chunk_size(args, device),
-                          num_rows=max_running, decode_width=spec_width if spec_worker else 1)
+                          num_rows=max_running, decode_width=spec_width if spec_worker else 1,
+                          prefill_budget_while_decoding=None if device.startswith("cuda")
+                          else CPU_PREFILL_BUDGET_WHILE_DECODING)
     return EngineParts(model_path, cfg, tokenizer, runner, pool, radix, scheduler, context_len, device,
                        spec_worker)
 

@@ -1,7 +1,9 @@
 """``python -m specserve.launch_server --model-path ... [SGLang flags]``: the HTTP server.
 
-Builds the LLMEngine, wraps it in an AsyncEngine, serves the FastAPI app with
-uvicorn and prints the URL once the socket is listening.
+Two processes, as SGLang arranges them: this one (the front) serves HTTP with uvicorn,
+tokenizes and detokenizes; the model process (``server/model_process.py``) runs the
+scheduler and the model as its main thread. They talk over ZMQ (``server/ipc.py``). The
+URL is printed once the model is loaded and the socket is listening.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from specserve.config import ConfigError, ServerArgs
 
 logger = logging.getLogger("specserve")
 READY_MESSAGE = "The server is fired up and ready to roll!"
+GRACEFUL_SHUTDOWN_S = 15   # SIGTERM/SIGINT: in-flight requests get this long to finish, then abort
 
 
 def build_parser(prog: str = "python -m specserve.launch_server") -> argparse.ArgumentParser:
@@ -54,16 +57,17 @@ def server_url(server_args: ServerArgs) -> str:
 
 
 def build_app(server_args: ServerArgs) -> Any:
-    """LLMEngine -> AsyncEngine -> FastAPI app (imports the heavy parts lazily)."""
-    from specserve.engine import LLMEngine
+    """Start the model process, then build the FastAPI app on its client. A model that cannot
+    start ends this process with one ``error:`` line (exit 2 for a flag's fault, else 1)."""
     from specserve.server.api import create_app
-    from specserve.server.async_engine import AsyncEngine
+    from specserve.server.engine_client import EngineClient, StartupError
 
     try:
-        llm_engine = LLMEngine(server_args)
-    except ConfigError as exc:
-        exit_with_config_error(exc)
-    return create_app(AsyncEngine(llm_engine), server_args)
+        client = EngineClient.launch(server_args)
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2 if exc.is_config_error else 1)
+    return create_app(client, server_args)
 
 
 def run_server(server_args: ServerArgs) -> None:
@@ -77,7 +81,8 @@ def run_server(server_args: ServerArgs) -> None:
 
     app = build_app(server_args)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                            log_level=server_args.log_level.lower(), timeout_keep_alive=5)
+                            log_level=server_args.log_level.lower(), timeout_keep_alive=5,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     AnnouncingServer(config).run()
 
 

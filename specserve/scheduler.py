@@ -8,7 +8,11 @@ A step is either a *prefill* step (requests with more than one uncomputed
 token: new prompts, chunks of long prompts, re-admitted retracted requests)
 or a *decode* step (every running request computes its last sampled token,
 plus draft tokens when speculating). Prefill steps and decode steps alternate
-while both have work, so decoding never stalls behind a stream of prompts.
+while both have work, so decoding never stalls behind a stream of prompts, and
+while requests are decoding a prefill step takes at most
+``prefill_budget_while_decoding`` tokens, so the gap between two of their tokens
+is at most one short prefill step plus one decode step (a burst of new prompts
+is spread over several short steps instead of one long one).
 """
 from __future__ import annotations
 
@@ -44,10 +48,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, radix: RadixCache, *, max_running_requests: int,
-                 chunk_size: int, num_rows: int, decode_width: int = 1) -> None:
+                 chunk_size: int, num_rows: int, decode_width: int = 1,
+                 prefill_budget_while_decoding: int | None = None) -> None:
         self.pool, self.radix = pool, radix
         self.max_running = max_running_requests
         self.chunk_size = chunk_size
+        self.prefill_budget_while_decoding = min(chunk_size, prefill_budget_while_decoding or chunk_size)
         self.decode_width = decode_width     # KV slots a decode step needs per request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -89,7 +95,7 @@ class Scheduler:
         decoding = [r for r in self.running if not _needs_prefill(r)]
         prefer_decode = self._last_was_prefill and decoding
         if not prefer_decode:
-            batch = self._schedule_prefill()
+            batch = self._schedule_prefill(self.prefill_budget_while_decoding if decoding else self.chunk_size)
             if batch.items:
                 self._last_was_prefill = True
                 return batch
@@ -97,9 +103,8 @@ class Scheduler:
         batch = self._schedule_decode()
         return batch if batch.items else None
 
-    def _schedule_prefill(self) -> ScheduledBatch:
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch:
         batch = ScheduledBatch(is_prefill=True)
-        budget = self.chunk_size
         for req in [r for r in self.running if _needs_prefill(r)]:
             budget -= self._add_prefill_chunk(batch, req, budget)
             if budget <= 0:

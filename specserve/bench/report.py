@@ -229,6 +229,33 @@ def plot_serving(result: dict[str, Any], path: str | os.PathLike) -> Path | None
     return _save(fig, path, plt)
 
 
+def plot_http(result: dict[str, Any], path: str | os.PathLike) -> Path | None:
+    """Left: streamed output tokens/s against clients (batch-1 offline Engine and llama.cpp as
+    horizontal lines). Right: median and p99 of TTFT and inter-token latency (ms)."""
+    levels = [lv for lv in result.get("http", []) if lv["stream"]]
+    if not levels:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    clients = [lv["concurrency"] for lv in levels]
+    axes[0].plot(clients, [lv["output_tokens_per_s"] for lv in levels], marker="o", label="HTTP server")
+    for name, key in (("offline Engine, batch 1", "offline"), ("llama.cpp, batch 1", "llama_cpp")):
+        rate = (result.get(key) or {}).get("request_tokens_per_s_median")
+        if rate:
+            axes[0].axhline(rate, linestyle="--", linewidth=1, label=name, color="grey" if key == "offline" else "C3")
+    axes[0].set(xscale="log", xlabel="concurrent streaming clients", ylabel="output tokens / s")
+    for key, marker in (("ttft", "o"), ("itl", "s")):
+        for stat, style in (("median", "-"), ("p99", ":")):
+            axes[1].plot(clients, [1e3 * lv[f"{key}_{stat}_s"] for lv in levels], marker=marker,
+                         linestyle=style, label=f"{key.upper()} {stat}")
+    axes[1].set(xscale="log", yscale="log", xlabel="concurrent streaming clients", ylabel="ms")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"HTTP serving, {result.get('max_new_tokens')} new tokens, threads {result.get('threads')}")
+    return _save(fig, path, plt)
+
+
 def _save(fig, path: str | os.PathLike, plt) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve import __version__
 from specserve.config import ServerArgs
 from specserve.core import SamplingParams, StepOutput
-from specserve.server.async_engine import AsyncEngine, EngineError, IndexedOutput, RequestGroup
+from specserve.server.async_engine import (
+    AsyncEngine, EngineError, EngineUnavailable, IndexedOutput, RequestGroup,
+)
 from specserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from specserve.server.protocol import (
     ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -52,7 +54,7 @@ class ClientDisconnected(Exception):
 
 @dataclass
 class ServerState:
-    async_engine: AsyncEngine
+    async_engine: AsyncEngine    # or EngineClient (server/engine_client.py): the same methods
     server_args: ServerArgs
 
     @property
@@ -62,7 +64,7 @@ class ServerState:
     @property
     def model_path(self) -> str | None:
         """The path the engine resolved (the default model when --model-path is absent)."""
-        return getattr(self.async_engine.engine, "model_path", None) or self.server_args.model_path
+        return self.async_engine.model_path or self.server_args.model_path
 
     @property
     def metrics(self) -> ServerMetrics:
@@ -75,9 +77,7 @@ class ServerState:
     @property
     def vocab_size(self) -> int | None:
         size = getattr(self.tokenizer, "vocab_size", None)
-        if size is None:
-            size = getattr(getattr(self.async_engine.engine, "model_config", None), "vocab_size", None)
-        return size
+        return size if size is not None else self.async_engine.vocab_size
 
 
 def _state(request: Request) -> ServerState:
@@ -115,6 +115,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineUnavailable)
+    async def _engine_unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
+        return error_response(503, str(exc))
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -343,7 +347,7 @@ async def _with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except EngineError as exc:
-        yield _error_event(500, str(exc))
+        yield _error_event(503 if isinstance(exc, EngineUnavailable) else 500, str(exc))
     yield _sse("[DONE]")
 
 
@@ -585,7 +589,10 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=[card]).model_dump())
 
 
-async def health(_: Request) -> Response:
+async def health(request: Request) -> Response:
+    problem = _state(request).async_engine.health_error
+    if problem is not None:
+        return error_response(503, problem)
     return Response(status_code=200)
 
 
@@ -612,7 +619,7 @@ def public_server_args(server_args: ServerArgs) -> dict[str, Any]:
 
 async def get_server_info(request: Request) -> JSONResponse:
     state = _state(request)
-    engine_info = await state.async_engine.call(lambda engine: engine.get_server_info())
+    engine_info = await state.async_engine.query("get_server_info")
     info = {**public_server_args(state.server_args), **(engine_info or {}), "version": __version__}
     return JSONResponse(jsonable(info))
 
@@ -633,7 +640,7 @@ async def get_model_info(request: Request) -> JSONResponse:
 
 
 async def flush_cache(request: Request) -> Response:
-    flushed = await _state(request).async_engine.call(lambda engine: engine.flush_cache())
+    flushed = await _state(request).async_engine.query("flush_cache")
     if not flushed:
         return error_response(400, "Cache not flushed: requests are still running; retry when idle.")
     return PlainTextResponse("Cache flushed.\n")
@@ -641,17 +648,13 @@ async def flush_cache(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = _state(request)
-    snapshot = await state.async_engine.call(_engine_snapshot)
-    info, kv_usage = snapshot
+    info = await state.async_engine.query("get_server_info") or {}
+    kv_usage = info.get("kv_usage") or await state.async_engine.query("kv_usage") or {}
     running = info.get("num_running_reqs", state.async_engine.num_active_requests)
     waiting = info.get("num_waiting_reqs", info.get("num_queue_reqs", 0))
     state.metrics.set_engine_state(int(running or 0), int(waiting or 0), kv_usage,
                                    info.get("avg_spec_accept_length"), info.get("spec_accept_histogram"))
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-def _engine_snapshot(engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    return engine.get_server_info() or {}, engine.kv_usage() or {}
 
 
 # ======================================================================================

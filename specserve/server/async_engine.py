@@ -1,6 +1,9 @@
-"""AsyncEngine: serves a synchronous ``LLMEngine`` to asyncio code.
+"""AsyncEngine: serves a synchronous ``LLMEngine`` to asyncio code from a thread of the same
+process, and what it shares with the HTTP server's ``EngineClient`` (``engine_client.py``,
+which runs the engine in a process of its own): request groups, sub-requests, errors.
 
-One background thread owns the engine: it drains a thread-safe inbox of
+The HTTP server uses EngineClient; AsyncEngine serves the API tests' fake engine and
+callers who embed the engine in their own process. One background thread owns the engine: it drains a thread-safe inbox of
 commands (add, abort, call), then runs ``engine.step()`` and hands each
 ``StepOutput`` to the asyncio queue of the request group it belongs to
 (``loop.call_soon_threadsafe``). When the engine has nothing to do the thread
@@ -39,6 +42,10 @@ class EngineError(RuntimeError):
     """The engine failed while serving a request (HTTP 500); the server keeps serving."""
 
 
+class EngineUnavailable(EngineError):
+    """The model process is gone (HTTP 503): nothing can be served until a restart."""
+
+
 @dataclass
 class IndexedOutput:
     index: int
@@ -56,13 +63,23 @@ class SubRequest:
 
 
 @dataclass
-class _LiveRequest:
-    """Loop-thread bookkeeping for one sub-request in the engine."""
+class LiveRequest:
+    """Bookkeeping for one sub-request in the engine: where its outputs go, its metrics."""
 
     group: "RequestGroup"
     index: int
     arrival_time: float = field(default_factory=time.perf_counter)
     has_first_token: bool = False
+
+    def record(self, metrics: ServerMetrics, output: StepOutput) -> None:
+        elapsed = time.perf_counter() - self.arrival_time
+        if output.new_token_ids and not self.has_first_token:
+            self.has_first_token = True
+            metrics.observe_first_token(elapsed)
+        metrics.observe_tokens(len(output.new_token_ids))
+        if output.finished:
+            reason = (output.finish_reason or {}).get("type", "unknown")
+            metrics.observe_finished(reason, elapsed, output.meta_info or {})
 
 
 @dataclass
@@ -120,10 +137,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: A
 class RequestGroup:
     """Async iterator over the merged outputs of one API call's sub-requests."""
 
-    def __init__(self, async_engine: "AsyncEngine", rids: list[str], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, abort_rids: Callable[[list[str]], None], rids: list[str],
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.rids = rids
         self.loop = loop
-        self._async_engine = async_engine
+        self._abort_rids = abort_rids
         self._queue: asyncio.Queue[IndexedOutput | BaseException] = asyncio.Queue()
         self._unfinished = set(range(len(rids)))
         self._closed = False
@@ -153,9 +171,9 @@ class RequestGroup:
         self._closed = True
         unfinished = [self.rids[i] for i in sorted(self._unfinished)]
         if unfinished:
-            self._async_engine._post(_Abort(unfinished))
+            self._abort_rids(unfinished)
 
-    # called on the asyncio loop through call_soon_threadsafe
+    # called on the asyncio loop (through call_soon_threadsafe from the engine thread)
     def _put(self, item: IndexedOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
@@ -168,7 +186,7 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics(model_name_of(llm_engine))
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._live: dict[str, _LiveRequest] = {}   # touched by the loop thread only
+        self._live: dict[str, LiveRequest] = {}   # touched by the loop thread only
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._stopping = False
@@ -181,6 +199,19 @@ class AsyncEngine:
     @property
     def context_len(self) -> int:
         return self.engine.context_len
+
+    @property
+    def model_path(self) -> str | None:
+        return getattr(self.engine, "model_path", None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(getattr(self.engine, "model_config", None), "vocab_size", None)
+
+    @property
+    def health_error(self) -> str | None:
+        """Why the engine cannot serve, or None while it can."""
+        return None
 
     @property
     def num_active_requests(self) -> int:
@@ -206,7 +237,7 @@ class AsyncEngine:
         self.start()
         loop = asyncio.get_running_loop()
         subs = expand_sub_requests(prompts, sampling, rid or uuid.uuid4().hex)
-        group = RequestGroup(self, [s.rid for s in subs], loop)
+        group = RequestGroup(lambda rids: self._post(_Abort(rids)), [s.rid for s in subs], loop)
         accepted = loop.create_future()
         self._post(_AddGroup(group, subs, accepted))
         try:
@@ -226,6 +257,10 @@ class AsyncEngine:
                 yield item.output
         finally:
             group.abort()
+
+    async def query(self, method: str) -> Any:
+        """``engine.<method>()`` on the engine thread (get_server_info, flush_cache, kv_usage)."""
+        return await self.call(lambda engine: getattr(engine, method)())
 
     async def call(self, fn: Callable[["LLMEngine"], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
@@ -279,7 +314,7 @@ class AsyncEngine:
                 if sub.rid in self._live:
                     raise ValueError(f"request id {sub.rid!r} is already in use")
                 self.engine.add_request(sub.rid, sub.input_ids, sub.sampling)
-                self._live[sub.rid] = _LiveRequest(group, sub.index)
+                self._live[sub.rid] = LiveRequest(group, sub.index)
                 added.append(sub.rid)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             self._abort(added)
@@ -320,20 +355,10 @@ class AsyncEngine:
         live = self._live.get(output.rid)
         if live is None:  # aborted by its client, or unknown
             return
-        self._record_metrics(live, output)
+        live.record(self.metrics, output)
         if output.finished:
             del self._live[output.rid]
         _call_soon(live.group.loop, live.group._put, IndexedOutput(live.index, output))
-
-    def _record_metrics(self, live: _LiveRequest, output: StepOutput) -> None:
-        elapsed = time.perf_counter() - live.arrival_time
-        if output.new_token_ids and not live.has_first_token:
-            live.has_first_token = True
-            self.metrics.observe_first_token(elapsed)
-        self.metrics.observe_tokens(len(output.new_token_ids))
-        if output.finished:
-            reason = (output.finish_reason or {}).get("type", "unknown")
-            self.metrics.observe_finished(reason, elapsed, output.meta_info or {})
 
     def _on_engine_crash(self, exc: Exception) -> None:
         logger.exception("engine step failed; failing %d running request(s)", len(self._live))

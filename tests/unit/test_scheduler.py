@@ -47,11 +47,13 @@ class Sim:
     """A Scheduler plus a fake forward pass, with invariant checks after each step."""
 
     def __init__(self, *, num_pages: int, page_size: int = 1, max_running: int = 8,
-                 chunk_size: int = 64, decode_width: int = 1, disable_radix: bool = False) -> None:
+                 chunk_size: int = 64, decode_width: int = 1, disable_radix: bool = False,
+                 prefill_budget_while_decoding: int | None = None) -> None:
         self.pool = BlockPool(num_pages, page_size)
         self.radix = RadixCache(self.pool, disabled=disable_radix)
         self.sched = Scheduler(self.pool, self.radix, max_running_requests=max_running,
-                               chunk_size=chunk_size, num_rows=max_running, decode_width=decode_width)
+                               chunk_size=chunk_size, num_rows=max_running, decode_width=decode_width,
+                               prefill_budget_while_decoding=prefill_budget_while_decoding)
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.decode_width = decode_width
@@ -514,3 +516,26 @@ def test_short_generations_never_need_retraction(page_size, seed):
     assert len(sim.finished) == 20
     assert sim.sched.num_retractions == 0
     sim.assert_all_freed()
+
+
+def test_prefill_steps_shrink_to_their_budget_while_requests_decode() -> None:
+    """A burst of prompts arriving while one request decodes is prefilled in steps of at most
+    the budget, each followed by a decode step; alone (nobody decoding) a prompt takes the
+    whole chunk. Outputs stay what uninterrupted runs give."""
+    sim = Sim(num_pages=4096, chunk_size=64, prefill_budget_while_decoding=16)
+    rng = random.Random(5)
+    sim.add("first", [rng.randrange(VOCAB) for _ in range(40)], 30)
+
+    def burst(sim_: Sim, i: int) -> None:
+        if i == 3:
+            for k in range(4):
+                sim_.add(f"late{k}", [rng.randrange(VOCAB) for _ in range(30)], 5)
+
+    sim.run(on_step=burst)
+    first_prefill = sim.batches[0]
+    assert first_prefill[0] and first_prefill[1] == [("first", 40)]
+    later_prefills = [sum(n for _, n in items) for is_prefill, items in sim.batches[1:] if is_prefill]
+    assert later_prefills and max(later_prefills) <= 16
+    assert sum(later_prefills) == 4 * 30
+    for req in sim.finished:
+        assert req.output_ids == expected_output(req.input_ids, req.sampling.max_new_tokens)

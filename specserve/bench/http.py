@@ -1,0 +1,294 @@
+"""``specserve bench http``: the HTTP server under load, beside the offline Engine and llama.cpp.
+
+Modelled on SGLang's ``bench_serving``. Starts ``launch_server`` (or targets ``--base-url``),
+sends the bench prompts as OpenAI completions (token-id prompts, greedy, ``ignore_eos``) from
+N concurrent clients, streaming, and reports per concurrency: output tokens/s, requests/s,
+time to first token and inter-token latency (median, p99), end-to-end tokens/s per request.
+Batch 1 also runs without streaming. In the same run and on the same prompt ids, one after the
+other (never at the same time): the offline Engine at batch 1, llama.cpp at batch 1 when
+``llama-cpp-python`` is installed, and the prefill forward of 128-token prompts beside the
+server's time to first token for them. ``--soak-duration`` adds a long run with clients that
+hang up mid-stream, then checks the server: no 5xx, every completed greedy output identical
+to the prompt served alone, no KV held and no request running afterwards.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from specserve.bench import http_client as hc
+from specserve.bench import prompts as prompt_data
+from specserve.bench import report
+from specserve.bench.serving import (
+    concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts, warm_up,
+)
+
+MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM"   # what `make serve` adds (Makefile SPEC_ARGS)
+TTFT_PROMPT_LEN = 128
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server-args", default=MAKE_SERVE_ARGS,
+                        help="launch_server flags of the server under test (default: make serve's, %(default)r)")
+    parser.add_argument("--base-url", default=None, help="bench a running server instead of starting one")
+    parser.add_argument("--concurrency", default="1,8,16,32,64", help="client counts (default %(default)s)")
+    parser.add_argument("--num-prompts", type=int, default=24, help="distinct prompts (default %(default)s)")
+    parser.add_argument("--requests-per-client", type=int, default=2,
+                        help="at concurrency N, max(num-prompts, N * this) requests (default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default %(default)s)")
+    parser.add_argument("--prompt-files", default=None, help="JSONL prompt files, comma separated")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline Engine column")
+    parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp even when it is installed")
+    parser.add_argument("--soak-duration", type=float, default=0.0,
+                        help="seconds of the soak run (0: none; the issue's soak is 300)")
+    parser.add_argument("--soak-concurrency", type=int, default=64)
+    parser.add_argument("--abort-fraction", type=float, default=0.2,
+                        help="share of soak streams closed mid-stream (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tokenizer = load_tokenizer(args.model_path)
+    files = prompt_data.resolve_prompt_files(args.prompt_files)
+    prompt_list = prompt_data.load_mixed_prompts(args.num_prompts, files)
+    id_lists = tokenize_prompts(args, prompt_list, args.max_new_tokens, tokenizer)
+    ttft_ids = random_prompts(tokenizer, 8, TTFT_PROMPT_LEN)
+    server_args = shlex.split(args.server_args) + ["--model-path", args.model_path,
+                                                   "--context-length", str(args.context_length)]
+    result: dict[str, Any] = {"environment": report.environment(), "server_args": server_args,
+                              "num_prompts": len(id_lists), "max_new_tokens": args.max_new_tokens,
+                              "threads": args.threads}
+    result.update(_http_phase(args, server_args, id_lists, ttft_ids))
+    if not args.no_offline:
+        result["offline"] = offline_engine(args, server_args, id_lists, ttft_ids)
+    if not args.no_peer:
+        result["llama_cpp"] = llama_cpp_peer(args, id_lists)
+    result["summary"] = summarize(result)
+    _print(result)
+    return result
+
+
+def _http_phase(args, server_args, id_lists, ttft_ids) -> dict[str, Any]:
+    if args.base_url:
+        return _bench_server(args.base_url, args, id_lists, ttft_ids)
+    log_path = Path(args.out) / "bench_http_server.log"
+    with hc.server_process(server_args, args.threads, log_path) as base_url:
+        return _bench_server(base_url, args, id_lists, ttft_ids)
+
+
+def _bench_server(base_url: str, args, id_lists, ttft_ids) -> dict[str, Any]:
+    asyncio.run(hc.run_load(base_url, id_lists[:2], hc.LoadSpec(2, True, 16, 4)))   # warm-up
+    levels, solo = [], None
+    for level in concurrency_levels(args.concurrency):
+        for stream in ((True, False) if level == 1 else (True,)):
+            num = max(len(id_lists), level * args.requests_per_client) if level > 1 else len(id_lists)
+            spec = hc.LoadSpec(level, stream, args.max_new_tokens, num)
+            records, wall = _load(base_url, id_lists, spec, f"http c={level} {'stream' if stream else 'full'}")
+            if level == 1 and stream:
+                solo = {r.prompt_index: r.text for r in records}
+            levels.append(level_figures(level, stream, records, wall, solo))
+    ttft = _ttft_run(base_url, ttft_ids)
+    out = {"http": levels, "http_ttft_128": ttft, "server_after_levels": hc.server_state(base_url)}
+    if args.soak_duration > 0:
+        out["soak"] = soak(base_url, args, id_lists, solo or {})
+    return out
+
+
+def _load(base_url, id_lists, spec: hc.LoadSpec, desc: str):
+    total = None if spec.duration_s else spec.num_requests
+    with progress_bar(total or 0, desc) as bar:
+        return asyncio.run(hc.run_load(base_url, id_lists, spec, bar))
+
+
+def _ttft_run(base_url: str, ttft_ids: list[list[int]]) -> dict[str, Any]:
+    records, _ = asyncio.run(hc.run_load(base_url, ttft_ids, hc.LoadSpec(1, True, 1, len(ttft_ids))))
+    values = [r.ttft for r in records if r.error is None]
+    return {"ttft_median_s": report.median(values), "values_s": values}
+
+
+def level_figures(level: int, stream: bool, records: list[hc.HttpRecord], wall: float,
+                  solo: dict[int, str] | None) -> dict[str, Any]:
+    done = [r for r in records if r.error is None and not r.was_aborted]
+    tokens = sum(r.completion_tokens for r in done)
+    itls = [gap for r in done for gap in r.itls]
+    return {
+        "concurrency": level, "stream": stream, "num_requests": len(records), "wall_s": wall,
+        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "requests_per_s": len(done) / wall if wall > 0 else float("nan"),
+        "ttft_median_s": report.median(r.ttft for r in done), "ttft_p99_s": percentile([r.ttft for r in done], 99),
+        "itl_median_s": report.median(itls), "itl_p99_s": percentile(itls, 99),
+        "request_tokens_per_s_median": report.median(r.tokens_per_second for r in done),
+        "status_counts": _status_counts(records),
+        "num_errors": sum(r.error is not None for r in records),
+        "num_differing_from_solo": _differing(done, solo),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    clean = sorted(v for v in values if v == v)
+    if not clean:
+        return float("nan")
+    rank = (len(clean) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(clean) - 1)
+    return clean[low] + (clean[high] - clean[low]) * (rank - low)
+
+
+def _status_counts(records: list[hc.HttpRecord]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        key = str(r.status or "no response")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _differing(done: list[hc.HttpRecord], solo: dict[int, str] | None) -> int | None:
+    if solo is None:
+        return None
+    return sum(1 for r in done if r.prompt_index in solo and r.text != solo[r.prompt_index])
+
+
+def soak(base_url: str, args, id_lists, solo: dict[int, str]) -> dict[str, Any]:
+    spec = hc.LoadSpec(args.soak_concurrency, True, args.max_new_tokens, 0, duration_s=args.soak_duration,
+                       abort_fraction=args.abort_fraction, seed=1)
+    records, wall = _load(base_url, id_lists, spec, f"soak c={spec.concurrency}")
+    figures = level_figures(spec.concurrency, True, records, wall, solo)
+    figures["num_aborted_by_client"] = sum(r.was_aborted for r in records)
+    figures["num_5xx"] = sum(1 for r in records if 500 <= r.status < 600)
+    time.sleep(2.0)   # the last hang-ups reach the model process
+    figures["server_after"] = hc.server_state(base_url)
+    return figures
+
+
+def random_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """Prompts of random token ids (as SGLang's random dataset), distinct from their first token."""
+    rng = random.Random(128)
+    vocab = tokenizer.vocab_size
+    return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def offline_engine(args, server_args: list[str], id_lists, ttft_ids) -> dict[str, Any]:
+    """The same flags as the server, as an in-process LLMEngine at batch 1 on the same prompts."""
+    from specserve.bench.serving import close_engine
+    from specserve.engine import LLMEngine
+    from specserve.launch_server import parse_server_args
+
+    core = LLMEngine(parse_server_args(server_args))
+    try:
+        warm_up(core, core.tokenizer)
+        records, wall = _offline_records(core, id_lists, args.max_new_tokens)
+        prefill = [_prefill_forward_seconds(core, ids) for ids in ttft_ids]
+    finally:
+        close_engine(None)
+    rates = [(len(r.output_ids)) / (r.t_end - r.t_add) for r in records if r.t_end]
+    return {"request_tokens_per_s_median": report.median(rates),
+            "output_tokens_per_s": sum(len(r.output_ids) for r in records) / wall,
+            "texts": {r.index: r.text for r in records},
+            "prefill_forward_128_median_s": report.median(prefill)}
+
+
+def _offline_records(core, id_lists, max_new_tokens):
+    with progress_bar(len(id_lists), "offline engine c=1") as bar:
+        return run_requests(core, id_lists, lambda: sampling_params(max_new_tokens, True), 1,
+                            on_finish=lambda _: bar.update(1))
+
+
+def _prefill_forward_seconds(core, ids: list[int]) -> float:
+    """Wall time of the one step that prefills ``ids`` (its prompt is new to the prefix cache)."""
+    core.add_request(None, ids, sampling_params(1, True))
+    start = time.perf_counter()
+    core.step()
+    seconds = time.perf_counter() - start
+    while core.has_unfinished():
+        core.step()
+    return seconds
+
+
+def llama_cpp_peer(args, id_lists) -> dict[str, Any] | None:
+    """llama.cpp on the same GGUF, prompt ids and threads, batch 1, greedy, no early stop."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    if not str(args.model_path).endswith(".gguf"):
+        return {"skipped": "the model is not a GGUF file"}
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    llm = Llama(model_path=str(args.model_path), n_ctx=args.context_length, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    _llama_generate(llm, id_lists[0], 8)
+    rates = []
+    with progress_bar(len(id_lists), "llama.cpp c=1") as bar:
+        for ids in id_lists:
+            start = time.perf_counter()
+            count = _llama_generate(llm, ids, args.max_new_tokens)
+            rates.append(count / (time.perf_counter() - start))
+            bar.update(1)
+    return {"request_tokens_per_s_median": report.median(rates), "threads": threads,
+            "version": getattr(__import__("llama_cpp"), "__version__", None)}
+
+
+def _llama_generate(llm, ids: list[int], max_new_tokens: int) -> int:
+    count = 0
+    for _ in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        count += 1
+        if count >= max_new_tokens:
+            break
+    return count
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    by_key = {(lv["concurrency"], lv["stream"]): lv for lv in result.get("http", [])}
+    solo_stream, solo_full = by_key.get((1, True)), by_key.get((1, False))
+    offline = result.get("offline") or {}
+    peer = result.get("llama_cpp") or {}
+    summary: dict[str, Any] = {}
+    base = offline.get("request_tokens_per_s_median")
+    for name, level in (("stream", solo_stream), ("full", solo_full)):
+        if level is not None:
+            summary[f"http_{name}_vs_offline"] = report.ratio(level["request_tokens_per_s_median"], base or 0)
+            summary[f"http_{name}_vs_llama_cpp"] = report.ratio(level["request_tokens_per_s_median"],
+                                                               peer.get("request_tokens_per_s_median") or 0)
+    if solo_stream is not None:
+        summary.update(_concurrency_ratios(by_key, solo_stream))
+    ttft = (result.get("http_ttft_128") or {}).get("ttft_median_s")
+    summary["ttft_128_vs_prefill_forward"] = report.ratio(ttft or float("nan"),
+                                                          offline.get("prefill_forward_128_median_s") or 0)
+    if offline.get("texts") and solo_stream is not None:
+        summary["offline_texts"] = len(offline["texts"])
+    return summary
+
+
+def _concurrency_ratios(by_key, solo) -> dict[str, Any]:
+    out = {}
+    for (level, stream), lv in by_key.items():
+        if stream and level > 1:
+            out[f"throughput_c{level}_vs_c1"] = report.ratio(lv["output_tokens_per_s"], solo["output_tokens_per_s"])
+            out[f"itl_p99_over_median_c{level}"] = report.ratio(lv["itl_p99_s"], lv["itl_median_s"])
+    return out
+
+
+def _print(result: dict[str, Any]) -> None:
+    rows = [[lv["concurrency"], "yes" if lv["stream"] else "no", lv["output_tokens_per_s"], lv["requests_per_s"],
+             lv["request_tokens_per_s_median"], 1e3 * lv["ttft_median_s"], 1e3 * lv["ttft_p99_s"],
+             1e3 * lv["itl_median_s"], 1e3 * lv["itl_p99_s"], lv["num_errors"], lv["num_differing_from_solo"]]
+            for lv in result.get("http", [])]
+    report.print_table(["clients", "stream", "out tok/s", "req/s", "tok/s per req", "TTFT ms", "TTFT p99",
+                        "ITL ms", "ITL p99", "errors", "differ"], rows, title="HTTP server")
+    offline, peer = result.get("offline") or {}, result.get("llama_cpp") or {}
+    report.print_table(["engine", "tok/s per request (median)"],
+                       [["offline Engine", offline.get("request_tokens_per_s_median")],
+                        ["llama.cpp", peer.get("request_tokens_per_s_median", peer.get("skipped"))]],
+                       title="batch 1, same prompts")
+    for key, value in result["summary"].items():
+        print(f"{key}: {report.fmt(value)}")
+    if "soak" in result:
+        soak_figures = result["soak"]
+        print(f"soak: {soak_figures['num_requests']} requests, {soak_figures['num_aborted_by_client']} hung up, "
+              f"5xx {soak_figures['num_5xx']}, differing {soak_figures['num_differing_from_solo']}, "
+              f"after: {soak_figures['server_after']}")

@@ -1,0 +1,208 @@
+"""The HTTP side of ``specserve bench http``: a server subprocess and a load of streaming
+(or not) OpenAI completion requests at a fixed concurrency, timed per chunk."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+READY_TIMEOUT_S = 600
+
+
+@dataclass
+class HttpRecord:
+    """One request as the client saw it (seconds from the request's own start)."""
+
+    prompt_index: int
+    status: int = 0
+    ttft: float = float("nan")
+    chunk_times: list[float] = field(default_factory=list)
+    latency: float = float("nan")
+    completion_tokens: int = 0
+    text: str = ""
+    was_aborted: bool = False
+    error: str | None = None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.latency if self.latency > 0 else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(server_args: list[str], threads: int | None, log_path: Path) -> Iterator[str]:
+    """``python -m specserve.launch_server`` on a free loopback port; yields its base URL,
+    then stops it with SIGTERM (as a user would) and waits for both processes to exit."""
+    port = free_port()
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    command = [sys.executable, "-m", "specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "warning", *server_args]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_healthy(process, base_url, log_path)
+            yield base_url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_until_healthy(process: subprocess.Popen, base_url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}); log: {log_path}\n"
+                               + log_path.read_text()[-2000:])
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {READY_TIMEOUT_S} s; log: {log_path}")
+
+
+def completion_body(ids: list[int], max_new_tokens: int, stream: bool) -> dict[str, Any]:
+    body = {"model": "default", "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def send_one(client: httpx.AsyncClient, prompt_index: int, ids: list[int], max_new_tokens: int,
+                   stream: bool, abort_after_chunks: int | None = None) -> HttpRecord:
+    record = HttpRecord(prompt_index)
+    body = completion_body(ids, max_new_tokens, stream)
+    start = time.perf_counter()
+    try:
+        if stream:
+            await _stream(client, body, record, start, abort_after_chunks)
+        else:
+            response = await client.post("/v1/completions", json=body)
+            record.status = response.status_code
+            _read_full(response, record, start)
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.latency = time.perf_counter() - start
+    return record
+
+
+def _read_full(response: httpx.Response, record: HttpRecord, start: float) -> None:
+    if response.status_code != 200:
+        record.error = response.text[:300]
+        return
+    payload = response.json()
+    record.text = payload["choices"][0]["text"]
+    record.completion_tokens = payload["usage"]["completion_tokens"]
+    record.ttft = time.perf_counter() - start
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, record: HttpRecord, start: float,
+                  abort_after_chunks: int | None) -> None:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        record.status = response.status_code
+        if response.status_code != 200:
+            record.error = (await response.aread()).decode(errors="replace")[:300]
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            _take_chunk(json.loads(line[6:]), record, time.perf_counter() - start)
+            if abort_after_chunks is not None and len(record.chunk_times) >= abort_after_chunks:
+                record.was_aborted = True
+                return   # leaving the block closes the connection mid-stream
+
+
+def _take_chunk(chunk: dict, record: HttpRecord, now: float) -> None:
+    if "error" in chunk:
+        record.error = str(chunk["error"])[:300]
+        return
+    if chunk.get("usage"):
+        record.completion_tokens = chunk["usage"]["completion_tokens"]
+    for choice in chunk.get("choices") or []:
+        if choice.get("text"):
+            record.text += choice["text"]
+            if not record.chunk_times:
+                record.ttft = now
+            record.chunk_times.append(now)
+
+
+@dataclass
+class LoadSpec:
+    concurrency: int
+    stream: bool
+    max_new_tokens: int
+    num_requests: int
+    duration_s: float | None = None     # keep sending (cycling the prompts) until this much time passed
+    abort_fraction: float = 0.0         # this share of streams closes the connection mid-stream
+    seed: int = 0
+
+
+async def run_load(base_url: str, id_lists: list[list[int]], spec: LoadSpec, progress=None
+                   ) -> tuple[list[HttpRecord], float]:
+    """Closed loop: ``spec.concurrency`` clients, each sending its next request when the last
+    one ends. Returns the records and the wall time."""
+    rng = random.Random(spec.seed)
+    counter = iter(range(10**9))
+    records: list[HttpRecord] = []
+    start = time.perf_counter()
+    limits = httpx.Limits(max_connections=spec.concurrency + 4, max_keepalive_connections=spec.concurrency + 4)
+
+    def next_index() -> int | None:
+        n = next(counter)
+        elapsed = time.perf_counter() - start
+        if spec.duration_s is not None:
+            return n if elapsed < spec.duration_s else None
+        return n if n < spec.num_requests else None
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while (n := next_index()) is not None:
+            index = n % len(id_lists)
+            abort_at = None
+            if spec.stream and rng.random() < spec.abort_fraction:
+                abort_at = rng.randint(1, max(1, spec.max_new_tokens // 2))
+            records.append(await send_one(client, index, id_lists[index], spec.max_new_tokens, spec.stream,
+                                          abort_at))
+            if progress is not None:
+                progress.update(1)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(spec.concurrency)))
+    return records, time.perf_counter() - start
+
+
+def server_state(base_url: str) -> dict[str, Any]:
+    info = httpx.get(f"{base_url}/get_server_info", timeout=30).json()
+    usage = info.get("kv_usage") or {}
+    held = usage.get("total", 0) - usage.get("free", 0) - usage.get("evictable", 0)
+    return {"num_running_reqs": info.get("num_running_reqs"), "num_waiting_reqs": info.get("num_waiting_reqs"),
+            "kv_tokens_held_by_requests": held, "kv_usage": usage}
