@@ -620,7 +620,8 @@ def public_server_args(server_args: ServerArgs) -> dict[str, Any]:
 async def get_server_info(request: Request) -> JSONResponse:
     state = _state(request)
     engine_info = await state.async_engine.query("get_server_info")
-    info = {**public_server_args(state.server_args), **(engine_info or {}), "version": __version__}
+    info = {**public_server_args(state.server_args), **(engine_info or {}), "version": __version__,
+            "model_process_pid": state.async_engine.model_pid}
     return JSONResponse(jsonable(info))
 
 

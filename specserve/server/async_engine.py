@@ -209,6 +209,11 @@ class AsyncEngine:
         return getattr(getattr(self.engine, "model_config", None), "vocab_size", None)
 
     @property
+    def model_pid(self) -> int:
+        """The process that runs the model: this one."""
+        return os.getpid()
+
+    @property
     def health_error(self) -> str | None:
         """Why the engine cannot serve, or None while it can."""
         return None

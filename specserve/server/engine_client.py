@@ -81,6 +81,7 @@ class EngineClient:
         self.model_path = ready.model_path
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
+        self.model_pid = ready.pid
         self.tokenizer = Tokenizer.load(ready.tokenizer_path)
         self.metrics = ServerMetrics(model_name_of(self))
         self._context, self._to_model, self._from_model = context, to_model, from_model
