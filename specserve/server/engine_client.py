@@ -30,6 +30,7 @@ from specserve.server.async_engine import (
 )
 from specserve.server.metrics import ServerMetrics
 from specserve.server.model_process import run_model_process
+from specserve.tokenizer import TextStreamer, Tokenizer
 
 logger = logging.getLogger(__name__)
 STARTUP_POLL_MS = 200
@@ -73,8 +74,6 @@ class EngineClient:
 
     def __init__(self, server_args: ServerArgs, process: Any, endpoints: ipc.Endpoints,
                  context: zmq.Context, to_model: zmq.Socket, from_model: zmq.Socket, ready: ipc.Ready) -> None:
-        from specserve.tokenizer import Tokenizer
-
         self.server_args = server_args
         self.process = process
         self.endpoints = endpoints
@@ -170,8 +169,6 @@ class EngineClient:
 
     # ---- messages out ------------------------------------------------------------------
     def _new_stream(self, group: RequestGroup, index: int, sampling: SamplingParams) -> _Stream:
-        from specserve.tokenizer import TextStreamer
-
         streamer = TextStreamer(self.tokenizer, sampling.stop, sampling.skip_special_tokens)
         return _Stream(LiveRequest(group, index), streamer)
 
@@ -200,9 +197,9 @@ class EngineClient:
     async def _read_messages(self) -> None:
         socket = zmq.asyncio.Socket.shadow(self._from_model.underlying)
         while True:
-            message = ipc.decode_to_front(await socket.recv())
+            data = await socket.recv()
             try:
-                self._handle(message)
+                self._handle(ipc.decode_to_front(data))
             except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                 logger.exception("failed to handle a message from the model process")
 

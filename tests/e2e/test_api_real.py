@@ -139,3 +139,28 @@ def test_disconnect_mid_stream_frees_the_request(real_url: str, http: httpx.Clie
 def test_metrics(http: httpx.Client) -> None:
     text = http.get("/metrics").text
     assert "specserve:generation_tokens_total" in text and "specserve:spec_accept_length" in text
+
+
+def test_text_detokenized_by_the_front_equals_the_offline_engines(http: httpx.Client) -> None:
+    """The model process sends token ids; the front detokenizes. Its text, stop strings cut
+    included, is what the offline Engine (which detokenizes in the loop) gives."""
+    from specserve import Engine
+
+    prompt = "Write a short poem about the moon and the stars."
+    params = {"max_new_tokens": 40, "temperature": 0}
+    engine = Engine(context_length=1024)
+    try:
+        reference = engine.generate(prompt=prompt, sampling_params=params)
+        words = reference["text"].split()
+        stop = words[len(words) // 2]
+        cut = engine.generate(prompt=prompt, sampling_params={**params, "stop": [stop]})
+    finally:
+        engine.shutdown()
+    for sampling, expected in ((params, reference), ({**params, "stop": [stop]}, cut)):
+        served = http.post("/generate", json={"text": prompt, "sampling_params": sampling}).json()
+        assert served["text"] == expected["text"]
+        assert served["output_ids"] == expected["output_ids"]
+        streamed = sse_events(http.post("/generate", json={"text": prompt, "stream": True,
+                                                           "sampling_params": sampling}))
+        assert streamed[-1]["text"] == expected["text"]
+    assert stop not in cut["text"] and cut["meta_info"]["finish_reason"]["matched"] == stop
