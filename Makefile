@@ -5,8 +5,9 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 SPEC_ARGS ?= --speculative-algorithm NGRAM
 SERVE_ARGS ?=
+JAX_VERSION := 0.10.2
 
-.PHONY: install serve test test-all bench model clean
+.PHONY: install install-jax serve test test-all bench model clean
 
 install: $(BIN)/.installed
 
@@ -18,10 +19,17 @@ $(BIN)/.installed: pyproject.toml requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
+# The JAX backend's optional extra (pip install -e .[jax]): --backend jax, tests/jax.
+install-jax: $(BIN)/.installed-jax
+
+$(BIN)/.installed-jax: $(BIN)/.installed
+	$(BIN)/pip install -q jax==$(JAX_VERSION) jaxlib==$(JAX_VERSION)
+	touch $@
+
 model: install
 	$(BIN)/python -m specserve.loading.default_model
 
-serve: install model
+serve: install model $(if $(findstring --backend jax,$(SERVE_ARGS)),install-jax)
 	$(BIN)/python -m specserve.launch_server --host $(HOST) --port $(PORT) $(SPEC_ARGS) $(SERVE_ARGS)
 
 test: install model

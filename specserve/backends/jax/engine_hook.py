@@ -39,5 +39,5 @@ def build_jax_runner(args: ServerArgs, cfg: ModelConfig, weights, *, dtype: torc
                 runner.mesh.devices.flat[0].platform, args.tp_size)
     if not args.disable_precompile:
         plan = precompile_plan(buckets, max_running=max_rows, chunk_size=chunk_size, spec_width=spec_width)
-        precompile(runner, plan, want_aux=spec_algorithm == "EAGLE3")
+        runner.precompile_seconds = precompile(runner, plan, want_aux=spec_algorithm == "EAGLE3")
     return runner

@@ -58,6 +58,7 @@ class JaxModelRunner:
         self.last_features: torch.Tensor | None = None
         self._steps: dict[bool, object] = {}
         self.compiled_shapes: set[tuple] = set()
+        self.precompile_seconds = 0.0
 
     # ---- setup ----------------------------------------------------------------------
     def _load(self, cfg: ModelConfig, weights) -> None:
