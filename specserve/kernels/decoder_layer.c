@@ -13,6 +13,7 @@
    calls a layer, whose Python and dispatch overhead dominated decode steps once the
    linears and attention were native. Built by build.py (cpu_kernels.c), called from layer.py. */
 #include "common.h"
+#include "profile.h"
 
 /* out[t] = round(w * round(h[t] / rms(h[t]))), HF's RMSNorm arithmetic */
 static void rms_norm(const void *h, const void *w, void *out, int T, int H, float eps, int is_bf16) {
@@ -130,19 +131,30 @@ int decoder_layer(void *h, const void *const *norms, const linear_weights *linea
     char *attn = malloc((size_t)T * q_width * esize), *y = malloc((size_t)T * H * esize);
     char *gate_up = malloc((size_t)T * 2 * I * esize), *act = malloc((size_t)T * I * esize);
     int status = 0;
+    double t = profile_clock();
     rms_norm(h, norms[0], x, T, H, eps, is_bf16);
+    t = profile_mark(PROF_NORM, t);
     status |= linear_forward(&linears[0], x, qkv_bias, qkv, T, qkv_width, H, dtype, nthreads);
+    t = profile_mark(PROF_QKV, t);
     rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
     write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16);
+    t = profile_mark(PROF_ROTARY, t);
     status |= attention_rows(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
                              T, L, Q, nh, nkv, hd, dtype, nthreads);
+    t = profile_mark(PROF_ATTENTION, t);
     status |= linear_forward(&linears[1], attn, NULL, y, T, H, q_width, dtype, nthreads);
+    t = profile_mark(PROF_O, t);
     add_into(h, y, (long)T * H, is_bf16);
     rms_norm(h, norms[1], x, T, H, eps, is_bf16);
+    t = profile_mark(PROF_NORM, t);
     status |= linear_forward(&linears[2], x, NULL, gate_up, T, 2 * I, H, dtype, nthreads);
+    t = profile_mark(PROF_GATE_UP, t);
     silu_mul(gate_up, act, T, I, is_bf16);
+    t = profile_mark(PROF_SILU, t);
     status |= linear_forward(&linears[3], act, NULL, y, T, H, I, dtype, nthreads);
+    t = profile_mark(PROF_DOWN, t);
     add_into(h, y, (long)T * H, is_bf16);
     free(x), free(qkv), free(attn), free(y), free(gate_up), free(act);
+    profile_mark(PROF_NORM, t);
     return status ? -1 : 0;
 }

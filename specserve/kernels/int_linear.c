@@ -28,10 +28,14 @@
    scales, fixed per-lane operation order), never on M, the tiling or the thread count.
    Built by build.py (cpu_kernels.c) once per ISA variant; called through linear_forward. */
 #include "common.h"
+#include "profile.h"
 
 #define IQ_ROWS 16            /* weight rows per panel */
 #define IQ_K 32               /* weights per block */
 #define IQ_CHUNK_ROWS 64      /* input rows per work item (many-row inputs, e.g. prefill) */
+#ifndef IQ_PREFETCH_BYTES
+#define IQ_PREFETCH_BYTES 4096  /* weights prefetched this far ahead (panels lie back to back) */
+#endif
 enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -131,6 +135,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
+        for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T0);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m512 mw = fmt == IQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
                                          : _mm512_setzero_ps();
@@ -172,6 +177,8 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
+        if (h == 0)
+            for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
         const __m256 mw = fmt == IQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))
                                          : _mm256_setzero_ps();
@@ -250,10 +257,12 @@ static int int_linear(const uint8_t *panels, int fmt, const void *x, const float
     const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
     const long panel_bytes = (long)(K / IQ_K) * iq_record_bytes(fmt);
     iq_input a;
+    const double t = profile_clock();
     if (iq_input_init(&a, x, M, K, is_bf16, fmt)) {
         iq_input_free(&a);
         return -1;
     }
+    profile_mark(PROF_QUANTIZE, t);                /* also inside its linear's time */
     const long num_chunks = (M + IQ_CHUNK_ROWS - 1) / IQ_CHUNK_ROWS, items = num_chunks * num_panels;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long it = 0; it < items; it++) {

@@ -66,3 +66,18 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
 def _function():
     return build.function("decoder_layer", [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 10
                           + [ctypes.c_int] * 5)
+
+
+PROFILE_OPS = ("norms + adds", "qkv", "rotary + kv write", "attention", "o_proj", "gate_up", "silu", "down",
+               "input quantization")     # profile.h's order; the quantization is inside the linears' times
+
+
+def profile(enable: bool) -> dict[str, float]:
+    """Seconds per op of the native layers since the last call (then reset); ``enable`` turns the
+    clock on or off from now. Empty where the kernels are not built."""
+    fn = build.function("layer_profile", [ctypes.c_int, ctypes.c_void_p])
+    if fn is None:
+        return {}
+    seconds = (ctypes.c_double * len(PROFILE_OPS))()
+    fn(int(enable), ctypes.addressof(seconds))
+    return dict(zip(PROFILE_OPS, seconds))
