@@ -90,3 +90,11 @@ def test_buckets():
     assert buckets.shape(3, 5) == (4, 8)
     assert buckets.shape(1, 40) == (1, 64)
     assert buckets.shape(5, 1) == (8, 1)           # past the largest: the next power of two
+
+
+def test_page_size_above_one_is_refused():
+    from specserve.config import ConfigError
+
+    cfg = tiny_config()
+    with pytest.raises(ConfigError, match="--page-size"):
+        JaxModelRunner(cfg, list(random_weights(cfg, seed=0).items()), **dict(RUNNER_KW, page_size=4))
