@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--hf-dir", default=None,
                         help="an existing HF export of the model (default: export into a temp dir)")
+    parser.add_argument("--quantization", default=None, choices=("unquant", "gguf"),
+                        help="linear path: gguf = integer kernels on the GGUF blocks, unquant = exact "
+                             "float (default: the engine's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split one request's decode steps into their parts (native layer ops, "
+                             "LM head, Python, scheduling) and print that")
 
 
 def parse_dtypes(text: str) -> list[str]:
@@ -45,7 +51,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtypes = parse_dtypes(args.dtypes)
     prompt_list = prompt_data.load_mixed_prompts(args.num_prompts, prompt_data.resolve_prompt_files(args.prompts))
     id_lists = serving.tokenize_prompts(args, prompt_list, args.max_new_tokens)
+    from specserve.kernels import skinny
+
     result: dict[str, Any] = {"benchmark": "plain", "model_path": args.model_path,
+                              "quantization": args.quantization, "kernel_variant": skinny.kernel_variant(),
                               "max_new_tokens": args.max_new_tokens, "num_prompts": len(id_lists),
                               "prompts": [{"category": p.category, "question_id": p.question_id,
                                            "prompt_tokens": len(ids)} for p, ids in zip(prompt_list, id_lists)],
@@ -81,7 +90,7 @@ def _run_dtype(args, dtype: str, hf_dir: str, id_lists: list[list[int]]) -> dict
     try:
         kv_tokens = serving.kv_tokens_needed(args, id_lists, 1, args.max_new_tokens)
         engine = serving.make_engine(serving.engine_kwargs(args, dtype, disable_radix_cache=True,
-                                                           max_total_tokens=kv_tokens))
+                                                           max_total_tokens=kv_tokens, quantization=args.quantization))
         hf = _load_hf(hf_dir, dtype, engine.engine.device)
         ours_fn = lambda ids: _time_ours(engine.engine, ids, args.max_new_tokens)  # noqa: E731
         hf_fn = lambda ids: _time_hf(hf, ids, args.max_new_tokens)  # noqa: E731
@@ -98,7 +107,13 @@ def _run_dtype(args, dtype: str, hf_dir: str, id_lists: list[list[int]]) -> dict
             rows.append({"prompt_tokens": len(ids), "ours": ours, "hf": ref,
                          "identical": ours["output_ids"] == ref["output_ids"],
                          "common_prefix": report.common_prefix_len(ours["output_ids"], ref["output_ids"])})
-        return _summarize(rows)
+        summary = _summarize(rows)
+        if args.profile:
+            from specserve.bench.step_profile import print_breakdown, profile_decode
+
+            summary["profile"] = profile_decode(engine.engine, id_lists[0], args.max_new_tokens)
+            print_breakdown(dtype, summary["profile"])
+        return summary
     finally:
         del hf
         serving.close_engine(engine)

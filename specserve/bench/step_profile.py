@@ -1,0 +1,77 @@
+"""Where a plain decode step's time goes (``specserve bench plain --profile``).
+
+One request decodes ``max_new_tokens`` tokens after its prefill; the time of each decode step is
+split into the native decoder layers' ops (clocked in C, ``kernels/layer.profile``), the final
+norm, the LM head, the rest of the model forward (embedding, metadata, Python) and the rest of
+the engine step (scheduling, sampling, bookkeeping). Milliseconds per decode step, wall clock.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable
+
+
+def profile_decode(core, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """ms per decode step by part, over one request's decode steps (its prefill step excluded)."""
+    from specserve.bench import serving
+    from specserve.kernels import layer as native_layer
+
+    model = core.runner.model
+    seconds: dict[str, float] = {}
+    core.add_request(None, ids, serving.sampling_params(max_new_tokens, True))
+    core.step()                                              # the prefill (and first token)
+    native_layer.profile(True)
+    num_steps = 0
+    with _timed(core, "step", seconds), _timed(core.runner, "forward", seconds), \
+            _timed(model, "compute_logits", seconds), _timed(model.model.norm, "forward", seconds, "final norm"):
+        while core.has_unfinished():
+            core.step()
+            num_steps += 1
+    layer_ops = native_layer.profile(False)
+    return _breakdown(seconds, layer_ops, max(num_steps, 1))
+
+
+def _breakdown(seconds: dict[str, float], layer_ops: dict[str, float], num_steps: int) -> dict[str, Any]:
+    quantize = layer_ops.pop("input quantization", 0.0)
+    layers = sum(layer_ops.values())
+    forward = seconds.get("forward", 0.0)
+    parts = {f"layer: {name}": s for name, s in layer_ops.items()}
+    parts["final norm"] = seconds.get("final norm", 0.0)
+    parts["lm_head"] = seconds.get("compute_logits", 0.0)
+    parts["rest of forward (embedding, metadata, Python)"] = forward - layers - parts["final norm"] - parts["lm_head"]
+    parts["rest of step (schedule, sample, bookkeeping)"] = seconds.get("step", 0.0) - forward
+    ms = {name: 1000 * s / num_steps for name, s in parts.items()}
+    return {"num_decode_steps": num_steps, "ms_per_step": ms, "step_ms": 1000 * seconds.get("step", 0.0) / num_steps,
+            "of_which_input_quantization_ms": 1000 * quantize / num_steps}
+
+
+@contextlib.contextmanager
+def _timed(obj, name: str, seconds: dict[str, float], key: str | None = None):
+    """Accumulate the wall time of ``obj.name(...)`` calls into ``seconds[key or name]``."""
+    original: Callable = getattr(obj, name)
+    key = key or name
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(obj, name, timed)
+    try:
+        yield
+    finally:
+        delattr(obj, name) if name in vars(obj) else None
+
+
+def print_breakdown(dtype: str, profile: dict[str, Any]) -> None:
+    from specserve.bench import report
+
+    total = profile["step_ms"]
+    rows = [[name, ms, 100 * ms / total if total else float("nan")] for name, ms in profile["ms_per_step"].items()]
+    rows.append(["(input quantization, inside the linears)", profile["of_which_input_quantization_ms"], float("nan")])
+    rows.append(["decode step", total, 100.0])
+    report.print_table(["part", "ms / step", "%"], rows,
+                       title=f"{dtype}: one decode step by part, mean of {profile['num_decode_steps']} steps")
