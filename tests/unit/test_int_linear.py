@@ -169,3 +169,59 @@ def test_forcing_the_variant_down(monkeypatch):
     assert [v.name for v in build.candidate_variants()] == (["avx2"] if build.cpu_runs(build.VARIANTS[-1]) else [])
     monkeypatch.setenv("SPECSERVE_ISA", "no-such-isa")           # ignored, with a warning
     assert build.candidate_variants() == [v for v in build.VARIANTS if build.cpu_runs(v)]
+
+
+# ---- routing: --quantization gguf through packed_linear ---------------------------------------
+
+def _coded_linear(kind, rows: int, cols: int, dtype=torch.float32):
+    from specserve.models.packed_linear import Linear
+
+    codes = _codes(kind, rows, cols, seed=15)
+    layer = Linear(cols, rows, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(codes.expand())
+        layer.bias.normal_()
+    layer = layer.to(dtype)
+    layer.weight.block_codes = codes
+    return layer, codes
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_quantization_routes_every_row_count_to_the_integer_kernel(dtype):
+    from specserve.models.packed_linear import pack_linears_for_cpu
+
+    layer, codes = _coded_linear(Q.Q4_1, 40, 96, dtype)
+    assert pack_linears_for_cpu(layer, "gguf") == 1
+    assert layer.int_format == INT_Q4_1 and layer.packed_weight is None
+    x = _inputs(200, 96, seed=16)
+    with torch.inference_mode():
+        for rows in (1, 7, 200):                     # decode, verify and prefill shapes alike
+            got = layer(x[:rows].to(dtype))
+            expected = torch.from_numpy(_int_linear_ref(x[:rows].to(dtype), codes, INT_Q4_1, layer.bias.float()))
+            assert torch.equal(got, expected.to(dtype))
+
+
+@needs_kernel
+def test_packing_again_keeps_the_integer_path_and_unquant_keeps_the_exact_one():
+    from specserve.models.packed_linear import pack_linears_for_cpu
+
+    layer, _ = _coded_linear(Q.Q8_0, 32, 64)
+    pack_linears_for_cpu(layer, "gguf")
+    pack_linears_for_cpu(layer)                      # e.g. a draft head packing shared modules
+    assert layer.int_panels is not None and layer.native_weights.int_format == INT_Q8_0
+    exact, _ = _coded_linear(Q.Q8_0, 32, 64)
+    pack_linears_for_cpu(exact, "unquant")
+    assert exact.int_panels is None and exact.coded_records is not None
+
+
+def test_without_kernels_gguf_keeps_the_float_path(monkeypatch):
+    from specserve.models.packed_linear import pack_linears_for_cpu
+
+    monkeypatch.setattr(int_codes, "is_available", lambda: False)
+    layer, _ = _coded_linear(Q.Q4_0, 32, 64)
+    pack_linears_for_cpu(layer, "gguf")
+    assert layer.int_panels is None
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
