@@ -40,7 +40,7 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IQ_LEVEL 2            /* avx512_vnni */
-#define IQ_TILE 8             /* input rows per register tile */
+#define IQ_TILE 16            /* input rows per register tile (16 accumulators + 8 weight vectors) */
 #else
 #define IQ_LEVEL 1            /* avx2 */
 #define IQ_TILE 4
@@ -130,7 +130,7 @@ static void iq_input_free(iq_input *a) { free(a->q), free(a->d), free(a->ds), fr
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, float out[][IQ_ROWS]) {
     const int rec = iq_record_bytes(fmt), nb = a->nb;
-    __m512 acc[8];
+    __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; b++) {
@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
         }
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
             const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
             __m512i s0 = _mm512_set1_epi32(a->start[i]), s1 = _mm512_setzero_si512();
@@ -172,7 +172,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
 static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, int h, float out[][IQ_ROWS]) {
     const int rec = iq_record_bytes(fmt), nb = a->nb;
-    __m256 acc[8];
+    __m256 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             }
         }
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
             const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
             __m256i s = _mm256_set1_epi32(a->start[i]);
@@ -228,12 +228,14 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     static void iq_tile_##FMT##_##R(const uint8_t *p, const iq_input *a, long m0, float out[][IQ_ROWS]) { \
         iq_tile(p, FMT, a, m0, R, out); }
 #define IQ_DEFINE_ROWS(FMT) IQ_DEFINE(FMT, 1) IQ_DEFINE(FMT, 2) IQ_DEFINE(FMT, 3) IQ_DEFINE(FMT, 4) \
-    IQ_DEFINE(FMT, 5) IQ_DEFINE(FMT, 6) IQ_DEFINE(FMT, 7) IQ_DEFINE(FMT, 8)
+    IQ_DEFINE(FMT, 5) IQ_DEFINE(FMT, 6) IQ_DEFINE(FMT, 7) IQ_DEFINE(FMT, 8) IQ_DEFINE(FMT, 9) IQ_DEFINE(FMT, 10) \
+    IQ_DEFINE(FMT, 11) IQ_DEFINE(FMT, 12) IQ_DEFINE(FMT, 13) IQ_DEFINE(FMT, 14) IQ_DEFINE(FMT, 15) IQ_DEFINE(FMT, 16)
 IQ_DEFINE_ROWS(IQ_Q4_0) IQ_DEFINE_ROWS(IQ_Q4_1) IQ_DEFINE_ROWS(IQ_Q8_0)
 typedef void (*iq_tile_fn)(const uint8_t *, const iq_input *, long, float[][IQ_ROWS]);
 #define IQ_ROW_FNS(FMT) {iq_tile_##FMT##_1, iq_tile_##FMT##_2, iq_tile_##FMT##_3, iq_tile_##FMT##_4, \
-                         iq_tile_##FMT##_5, iq_tile_##FMT##_6, iq_tile_##FMT##_7, iq_tile_##FMT##_8}
-static const iq_tile_fn IQ_TILE_FNS[3][8] = {IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0)};
+    iq_tile_##FMT##_5, iq_tile_##FMT##_6, iq_tile_##FMT##_7, iq_tile_##FMT##_8, iq_tile_##FMT##_9, iq_tile_##FMT##_10, \
+    iq_tile_##FMT##_11, iq_tile_##FMT##_12, iq_tile_##FMT##_13, iq_tile_##FMT##_14, iq_tile_##FMT##_15, iq_tile_##FMT##_16}
+static const iq_tile_fn IQ_TILE_FNS[3][16] = {IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0)};
 
 /* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N) */
 static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long m0, long m1, int pnl,
