@@ -18,6 +18,9 @@ def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backends", default="torch,jax")
     parser.add_argument("--speculative-algorithm", default="EAGLE3", help="'none' for plain only")
+    parser.add_argument("--speculative-policy", default="always",
+                        help="always (measure the drafts) or auto (speculate where the cost model says it pays)")
+    parser.add_argument("--no-plain", action="store_true", help="only the speculative runs")
     parser.add_argument("--num-prompts", type=int, default=4, help="batch-1 prompts (default %(default)s)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -33,7 +36,7 @@ def _engine(args: argparse.Namespace, backend: str, algo: str | None) -> tuple[E
         kwargs.update(precompile_bs_paddings=args.precompile_bs_paddings,
                       precompile_token_paddings=args.precompile_token_paddings)
     if algo:
-        kwargs["speculative_algorithm"] = algo
+        kwargs.update(speculative_algorithm=algo, speculative_policy=args.speculative_policy)
     start = time.perf_counter()
     engine = Engine(**kwargs)
     return engine, time.perf_counter() - start
@@ -63,7 +66,7 @@ def _measure(args, engine: Engine, prompts: list[list[int]]) -> dict:
 
 def main() -> None:
     args = _parse()
-    algos = [None] + ([] if args.speculative_algorithm.lower() == "none" else [args.speculative_algorithm.upper()])
+    algos = ([] if args.no_plain else [None]) + ([] if args.speculative_algorithm.lower() == "none" else [args.speculative_algorithm.upper()])
     texts = prompt_data.load_mixed_prompts(max(args.num_prompts, args.concurrency))
     rows, outputs = [], {}
     for backend in args.backends.split(","):

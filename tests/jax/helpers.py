@@ -9,12 +9,13 @@ from specserve.engine import Engine
 
 SMALL_BUCKETS = {"precompile_bs_paddings": "4,16", "precompile_token_paddings": "64",
                  "disable_precompile": True}
+TINY_BUCKETS = {"precompile_bs_paddings": "8", "precompile_token_paddings": "64", "disable_precompile": True}
 
 
 def tiny_engine(model: str, backend: str = "jax", **kwargs) -> Engine:
     settings = dict({"max_total_tokens": 4096, "context_length": 256, "max_running_requests": 16}, **kwargs)
     if backend == "jax":
-        settings = dict(SMALL_BUCKETS, **settings)
+        settings = dict(TINY_BUCKETS, **settings)
     return Engine(model_path=model, backend=backend, dtype="float32", **settings)
 
 

@@ -90,6 +90,7 @@ def test_buckets():
     assert buckets.shape(3, 5) == (4, 8)
     assert buckets.shape(1, 40) == (1, 64)
     assert buckets.shape(5, 1) == (8, 1)           # past the largest: the next power of two
+    assert buckets.shape(1, 5, is_prefill=True) == (1, 16)   # prefill: the token paddings only
 
 
 def test_page_size_above_one_is_refused():

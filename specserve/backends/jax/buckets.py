@@ -2,8 +2,8 @@
 
 A forward is laid out as ``[B, Q]``: B requests (padded to a batch bucket) by Q new
 tokens each (padded to a query bucket). SGL-JAX's flags choose them:
-``--precompile-bs-paddings`` (batch sizes; decode and verify) and
-``--precompile-token-paddings`` (prefill tokens per request). Widths past the
+``--precompile-bs-paddings`` (batch sizes) and ``--precompile-token-paddings``
+(prefill tokens per request; decode and verify also pad to 1, 4, 8, 16 or 32 new tokens). Widths past the
 largest bucket round up to a power of two (compiled on first use, with a warning).
 
 Row invariance: XLA's CPU matmul takes a one-row kernel for one row, another for 2 to
@@ -55,13 +55,15 @@ class Buckets:
     def batch(self, num_requests: int) -> int:
         return _round_up(num_requests, self.bs_paddings, "batch size")
 
-    def queries(self, max_new_tokens: int) -> int:
-        paddings = tuple(sorted(set(SMALL_QUERY_PADDINGS) | set(self.token_paddings)))
+    def queries(self, max_new_tokens: int, is_prefill: bool = False) -> int:
+        """Prefill pads to the token paddings; decode and verify also to small widths."""
+        paddings = self.token_paddings if is_prefill else tuple(sorted(set(SMALL_QUERY_PADDINGS)
+                                                                      | set(self.token_paddings)))
         return _round_up(max_new_tokens, paddings, "new tokens per request")
 
-    def shape(self, num_requests: int, max_new_tokens: int) -> tuple[int, int]:
+    def shape(self, num_requests: int, max_new_tokens: int, is_prefill: bool = False) -> tuple[int, int]:
         """(B, Q) of a forward; never a single row (see the module docstring)."""
-        bsz, num_q = self.batch(num_requests), self.queries(max_new_tokens)
+        bsz, num_q = self.batch(num_requests), self.queries(max_new_tokens, is_prefill)
         if bsz * num_q < MIN_ROWS:
             bsz = MIN_ROWS
         return bsz, num_q

@@ -24,7 +24,7 @@ def precompile_plan(buckets, *, max_running: int, chunk_size: int, spec_width: i
     plan = []
     for tokens in buckets.token_paddings:
         if tokens <= chunk_size:
-            plan.append((*buckets.shape(1, tokens), MIN_ROWS))
+            plan.append((*buckets.shape(1, tokens, is_prefill=True), MIN_ROWS))
     for bs in buckets.bs_paddings:
         if bs > max_running:
             continue

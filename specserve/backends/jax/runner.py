@@ -112,8 +112,7 @@ class JaxModelRunner:
     def forward(self, specs, features: str | None = None, *, is_prefill: bool = False):
         """As ``ModelRunner.forward``: logits [sum(num_logits), V] (torch), and with ``features``
         ``(logits, features)``; ``capture_features`` also keeps ``last_features``."""
-        del is_prefill                      # one attention path serves every forward
-        batch, token_rows, num_logits = self.pack(specs)
+        batch, token_rows, num_logits = self.pack(specs, is_prefill)
         want_aux = "aux" in (self.capture_features, features)
         logits, hidden, layer_inputs, self.k_cache, self.v_cache = self._step(want_aux)(
             self.params, self.k_cache, self.v_cache, self.cos_table, self.sin_table, batch)
@@ -159,10 +158,10 @@ class JaxModelRunner:
             raise ValueError(f"unknown features kind {kind!r}")
         return torch.from_numpy(np.ascontiguousarray(out)).to(self.dtype)
 
-    def pack(self, specs) -> tuple[dict, np.ndarray, int]:
+    def pack(self, specs, is_prefill: bool = False) -> tuple[dict, np.ndarray, int]:
         """The padded batch arrays, the flat rows of the real tokens (spec order) and the
         number of real logit rows. Writes the specs' slots into their rows first."""
-        bsz, num_q = self.buckets.shape(len(specs), max(len(s.token_ids) for s in specs))
+        bsz, num_q = self.buckets.shape(len(specs), max(len(s.token_ids) for s in specs), is_prefill)
         arrays = _empty_batch(bsz, num_q, self.row_width, self.dummy_slot)
         token_rows, logit_rows = [], []
         for b, spec in enumerate(specs):
