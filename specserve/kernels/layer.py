@@ -62,6 +62,51 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
         raise RuntimeError(f"decoder_layer rejected the layer's shapes {list(weights.dims)}")
 
 
+@dataclass
+class LayerStack:
+    """Every layer's weights, for ``decoder_layers`` (one native call for the whole stack)."""
+    layers: tuple[LayerWeights, ...]        # kept alive: the arrays below point into them
+    norms: ctypes.Array
+    linears: ctypes.Array
+    qkv_biases: ctypes.Array
+    dims: ctypes.Array
+    eps: float
+
+
+def layer_stack(layers: tuple[LayerWeights, ...]) -> LayerStack:
+    """The layers (same shapes and eps) as one stack."""
+    norms = (ctypes.c_void_p * (2 * len(layers)))(*(p for w in layers for p in w.norms))
+    linears = (LinearWeights * (4 * len(layers)))(*(lw for w in layers for lw in w.linears))
+    biases = (ctypes.c_void_p * len(layers))(*(None if w.qkv_bias is None else w.qkv_bias.data_ptr()
+                                               for w in layers))
+    return LayerStack(layers, norms, linears, biases, layers[0].dims, layers[0].eps)
+
+
+def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor,
+                   query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> None:
+    """``decoder_layer`` for every layer of the stack in turn; k_cache/v_cache [layers, S, kv heads,
+    head_dim] contiguous."""
+    kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
+    batch, num_queries, num_keys = query_mask.shape
+    layer_bytes = k_cache[0].numel() * k_cache.element_size()
+    status = _stack_function()(
+        h.data_ptr(), ctypes.addressof(stack.norms), ctypes.addressof(stack.linears),
+        ctypes.addressof(stack.qkv_biases), stack.eps, ctypes.addressof(stack.dims), len(stack.layers),
+        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        layer_bytes, out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(), query_mask.data_ptr(),
+        row_batch.data_ptr(), row_query.data_ptr(), h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype],
+        torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"decoder_layers rejected the layers' shapes {list(stack.dims)}")
+
+
+@functools.cache
+def _stack_function():
+    return build.function("decoder_layers", [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+                          + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5)
+
+
 @functools.cache
 def _function():
     return build.function("decoder_layer", [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 10

@@ -90,17 +90,22 @@ class LlamaDecoderLayer(nn.Module):
         updates ``h`` in place. The weights' addresses are taken on the first call: the
         weights must not be replaced afterwards (serving never does)."""
         attn = self.self_attn
+        native_layer.decoder_layer(h, self.native_weights(), cos, sin, cache.k[attn.layer_id],
+                                   cache.v[attn.layer_id], meta.out_cache_loc, meta.kv_indices, meta.query_mask,
+                                   meta.row_batch, meta.row_query)
+
+    def native_weights(self) -> native_layer.LayerWeights:
+        """The layer's weights for the native call, built once (the weights must not be replaced
+        afterwards; serving never does)."""
         if self._native is None:
-            mlp = self.mlp
+            attn, mlp = self.self_attn, self.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self._native = native_layer.layer_weights(
                 self.input_layernorm.weight, self.post_attention_layernorm.weight,
                 tuple(linear.skinny_weights() for linear in linears), attn.qkv_proj.bias,
                 attn.qkv_proj.in_features, mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads,
                 attn.head_dim, self.input_layernorm.eps)
-        native_layer.decoder_layer(h, self._native, cos, sin, cache.k[attn.layer_id], cache.v[attn.layer_id],
-                                   meta.out_cache_loc, meta.kv_indices, meta.query_mask, meta.row_batch,
-                                   meta.row_query)
+        return self._native
 
 
 class LlamaModel(nn.Module):
@@ -124,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.backend = TorchSDPABackend()
         self.aux_layer_ids: tuple[int, ...] = ()   # layers whose outputs EAGLE-3 captures
+        self._native_stack: native_layer.LayerStack | None = None
+        self._stack_limits: tuple[int, bool] | None = None    # (most rows, every linear integer)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (call again after moving the module)."""
@@ -139,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)                              # [T, H]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
         aux: list[torch.Tensor] = []
+        if not self.aux_layer_ids and self._runs_stack_native(h.shape[0], meta):
+            native_layer.decoder_layers(h, self._layer_stack(), cos, sin, cache.k, cache.v, meta.out_cache_loc,
+                                        meta.kv_indices, meta.query_mask, meta.row_batch, meta.row_query)
+            return self.model.norm(h)
         for i, layer in enumerate(self.model.layers):
             is_native = (meta.row_batch is not None and layer.can_run_native(h.shape[0])  # kernels built
                          and (meta.row_invariant or layer.is_integer()))      # decode-shaped, or integer
@@ -150,6 +161,25 @@ class LlamaForCausalLM(nn.Module):
                 h = layer(h, cos, sin, cache, meta, self.backend)
         h = self.model.norm(h)
         return (h, aux) if self.aux_layer_ids else h
+
+    def _runs_stack_native(self, num_rows: int, meta: AttentionMetadata) -> bool:
+        """Whether every layer runs natively for this forward (then in one call: ``decoder_layers``).
+        The layers' limits are read once, on the first decode-shaped forward (serving never
+        changes the layers afterwards)."""
+        if meta.row_batch is None or torch.is_grad_enabled():
+            return False
+        if self._stack_limits is None:
+            layers = self.model.layers
+            runs = bool(len(layers)) and all(layer.can_run_native(1) for layer in layers)
+            max_rows = min(m.skinny_max_rows for layer in layers for m in layer._native_linears) if runs else 0
+            self._stack_limits = (max_rows, runs and all(layer.is_integer() for layer in layers))
+        max_rows, is_integer = self._stack_limits
+        return num_rows <= max_rows and (meta.row_invariant or is_integer)
+
+    def _layer_stack(self) -> native_layer.LayerStack:
+        if self._native_stack is None:
+            self._native_stack = native_layer.layer_stack(tuple(layer.native_weights() for layer in self.model.layers))
+        return self._native_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)                                         # [T, V]
