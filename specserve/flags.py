@@ -111,7 +111,8 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "schedule_policy": _memory("Order waiting requests are admitted in.", choices=("fcfs",)),
     "disable_radix_cache": _memory("Turn off prefix caching (reuse of shared prompt prefixes' KV)."),
     # ---- runtime and kernels -----------------------------------------------------------------
-    "tp_size": _runtime("Tensor-parallel size; only 1 is supported."),
+    "tp_size": _runtime("Tensor-parallel size: 1 with --backend torch; with --backend jax, the number of JAX "
+                        "devices the model is sharded over."),
     "dp_size": _runtime("Data-parallel replicas, as in SGLang. One replica serves here; a larger value is "
                         "logged (run several servers behind a load balancer instead)."),
     "enable_dp_attention": _runtime("SGLang's data-parallel attention for MoE models; logged as not "
