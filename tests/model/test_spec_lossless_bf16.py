@@ -24,11 +24,11 @@ pytestmark = pytest.mark.skipif(
            "whose rounding depends on the row count")
 
 # Batched bfloat16 needs the native kernels: without them (SPECSERVE_KERNELS=0, or no C compiler)
-# a prompt prefilled and decoded beside others rounds differently from the prompt alone on an
-# AVX-512 Xeon, whose oneDNN bfloat16 kernels then run every linear; one request at a time holds.
+# prompts prefilled and decoded together gave other greedy tokens than each alone on an AVX-512
+# Xeon (oneDNN bfloat16 kernels, torch attention); one request at a time still holds there.
 needs_kernels_for_batches = pytest.mark.skipif(
     not skinny.is_available(), reason="batched bfloat16 equals one-at-a-time only with the native kernels "
-                                      "(without them oneDNN's bfloat16 rounding depends on the batch here)")
+                                      "(without them it differed on an AVX-512 Xeon)")
 ENGINE_KW = {"dtype": "bfloat16", "max_total_tokens": 8192, "context_length": 2048}
 SPECS = {
     "NGRAM": {"speculative_algorithm": "NGRAM"},
