@@ -77,6 +77,7 @@ class LLMEngine:
         self.streamers: dict[str, TextStreamer] = {}
         self.stats = EngineStats()
         self._pending_outputs: list[StepOutput] = []
+        release_thread_team()   # loading built an OpenMP team here; the thread that steps gets the only one
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, rid: str | None, input_ids: list[int], sampling: SamplingParams) -> str:
@@ -324,7 +325,6 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         self.engine = LLMEngine(self.server_args)
         self.tokenizer = self.engine.tokenizer
-        release_thread_team()   # whichever thread calls generate() computes at full speed
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None) -> dict | list[dict]:

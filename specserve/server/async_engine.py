@@ -3,11 +3,11 @@ process, and what it shares with the HTTP server's ``EngineClient`` (``engine_cl
 which runs the engine in a process of its own): request groups, sub-requests, errors.
 
 The HTTP server uses EngineClient; AsyncEngine serves the API tests' fake engine and
-callers who embed the engine in their own process. One background thread owns the engine: it drains a thread-safe inbox of
-commands (add, abort, call), then runs ``engine.step()`` and hands each
-``StepOutput`` to the asyncio queue of the request group it belongs to
-(``loop.call_soon_threadsafe``). When the engine has nothing to do the thread
-sleeps on an Event; posting a command wakes it.
+callers who embed the engine in their own process. One background thread owns the engine:
+it drains a thread-safe inbox of commands (add, abort, call), then runs ``engine.step()``
+and hands each ``StepOutput`` to the asyncio queue of the request group it belongs to
+(``loop.call_soon_threadsafe``). When the engine has nothing to do the thread sleeps on an
+Event; posting a command wakes it.
 
 A request group is one API call: ``len(prompts) * n`` engine sub-requests whose
 outputs are merged into one stream of ``IndexedOutput(index, output)``, where
