@@ -168,13 +168,20 @@ class LlamaForCausalLM(nn.Module):
         changes the layers afterwards)."""
         if meta.row_batch is None or torch.is_grad_enabled():
             return False
-        if self._stack_limits is None:
+        if self._stack_limits is None or self._stack_is_stale():
+            self._native_stack = None
             layers = self.model.layers
             runs = bool(len(layers)) and all(layer.can_run_native(1) for layer in layers)
             max_rows = min(m.skinny_max_rows for layer in layers for m in layer._native_linears) if runs else 0
             self._stack_limits = (max_rows, runs and all(layer.is_integer() for layer in layers))
         max_rows, is_integer = self._stack_limits
         return num_rows <= max_rows and (meta.row_invariant or is_integer)
+
+    def _stack_is_stale(self) -> bool:
+        """A layer dropped or rebuilt its native weights since the stack was built (e.g. its
+        code blocks were dropped): the stack's pointers may dangle."""
+        stack = self._native_stack
+        return stack is not None and any(layer._native is not w for layer, w in zip(self.model.layers, stack.layers))
 
     def _layer_stack(self) -> native_layer.LayerStack:
         if self._native_stack is None:
