@@ -17,6 +17,9 @@ def build_jax_runner(args: ServerArgs, cfg: ModelConfig, weights, *, dtype: torc
                      spec_algorithm: str | None):
     if not is_available():
         raise ConfigError(f"--backend jax: {missing_reason()}")
+    if args.resolved_device() != "cpu":
+        raise ConfigError("--backend jax: pass --device cpu (JAX places the model on the devices it sees; the "
+                          "scheduler's and sampler's tensors stay on the CPU)")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ConfigError(f"--backend jax: --dtype {str(dtype).replace('torch.', '')} is not supported "
                           f"(float32 or bfloat16)")
