@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "float (default: the engine's)")
     parser.add_argument("--repeats", type=int, default=10, help="timed forwards per width (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per width first")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (steadier at one thread on a "
+                             "machine other jobs share; meaningless with more threads, which spin)")
     parser.add_argument("--mask", choices=("causal", "tree"), default="causal",
                         help="causal: no mask (a chain); tree: pass an explicit [W, W] mask, as a "
                              "tree verify does (lower-triangular, so the same tokens are seen)")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from specserve.kernels import skinny
 
     result: dict[str, Any] = {"benchmark": "verify_cost", "model_path": args.model_path, "context": args.context,
-                              "quantization": args.quantization, "kernel_variant": skinny.kernel_variant(),
+                              "quantization": args.quantization, "clock": args.clock, "kernel_variant": skinny.kernel_variant(),
                               "widths": widths, "repeats": args.repeats, "mask": args.mask, "curves": {}}
     for dtype in dtypes:
         result["curves"][dtype] = _run_dtype(args, dtype, widths)
@@ -104,7 +107,7 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
         with tqdm(total=total, desc=f"verify-cost {core.runner.dtype}".replace("torch.", ""), leave=False) as bar:
             for repeat in range(args.warmup + args.repeats):
                 for width in widths:
-                    elapsed = _one_forward(core, row, ctx_slots, draft[:width], args.mask, sync)
+                    elapsed = _one_forward(core, row, ctx_slots, draft[:width], args.mask, sync, args.clock)
                     if repeat >= args.warmup:
                         times[width].append(elapsed)
                     bar.update(1)
@@ -120,7 +123,8 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
     return rows
 
 
-def _one_forward(core, row: int, ctx_slots: list[int], tokens: list[int], mask: str, sync) -> float:
+def _one_forward(core, row: int, ctx_slots: list[int], tokens: list[int], mask: str, sync,
+                 clock: str = "wall") -> float:
     import torch
 
     from specserve.runner.model_runner import ExtendSpec
@@ -136,10 +140,11 @@ def _one_forward(core, row: int, ctx_slots: list[int], tokens: list[int], mask: 
                       tree_mask=tree_mask, num_logits=width)
     try:
         sync()
-        start = time.perf_counter()
+        now = time.process_time if clock == "cpu" else time.perf_counter
+        start = now()
         core.runner.forward([spec])
         sync()
-        return time.perf_counter() - start
+        return now() - start
     finally:
         core.pool.release_slots(slots)
 
@@ -154,4 +159,4 @@ def _print(result: dict[str, Any]) -> None:
                        title=f"verify-width cost: one forward of W new tokens on a {result['context']}-token "
                              f"context, batch 1, median of {result['repeats']} ({result['mask']} mask, "
                              f"--quantization {result['quantization'] or 'unquant'}, {result['kernel_variant']} "
-                             f"kernels)")
+                             f"kernels, {result['clock']} clock)")
