@@ -270,6 +270,8 @@ class LLMEngine:
         self.stats.num_finished += 1
         meta = self._meta(req)
         meta["e2e_latency"] = time.time() - req.arrival_time
+        if self.spec_worker is not None:   # the policy's per-request figures (drafted vs plain steps)
+            meta.update(self.spec_worker.request_meta(req))
         return StepOutput(req.rid, tokens, True, req.finish_reason, text, meta, logprobs or [], top or [])
 
     def _meta(self, req: Request) -> dict[str, Any]:

@@ -132,7 +132,10 @@ def test_ngram_copy_heavy_accepts_a_lot(engines):
     params = {"temperature": 0, "max_new_tokens": 40}
     ours = _generate(engines["NGRAM"], ids, params)
     assert ours["output_ids"] == _plain(engines, ids, params)["output_ids"]
-    assert ours["meta_info"]["spec_accept_length"] > 2.0, ours["meta_info"]
+    meta = ours["meta_info"]
+    assert meta["spec_accept_length"] > 2.0, meta
+    assert meta["spec_policy"] == engines["NGRAM"].server_args.speculative_policy and meta["spec_drafted_steps"] == meta["spec_verify_ct"] > 0
+    assert meta["spec_drafted_steps"] + meta["spec_plain_steps"] >= 1
 
 
 def test_target_as_draft_accepts_every_drafted_token(engines, prompt_ids):
