@@ -134,7 +134,8 @@ def test_ngram_copy_heavy_accepts_a_lot(engines):
     assert ours["output_ids"] == _plain(engines, ids, params)["output_ids"]
     meta = ours["meta_info"]
     assert meta["spec_accept_length"] > 2.0, meta
-    assert meta["spec_policy"] == engines["NGRAM"].server_args.speculative_policy and meta["spec_drafted_steps"] == meta["spec_verify_ct"] > 0
+    assert meta["spec_policy"] == "always"   # SPECSERVE_SPEC_POLICY, as every engine here
+    assert meta["spec_drafted_steps"] == meta["spec_verify_ct"] > 0
     assert meta["spec_drafted_steps"] + meta["spec_plain_steps"] >= 1
 
 
