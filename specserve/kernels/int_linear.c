@@ -34,7 +34,7 @@
 #define IQ_K 32               /* weights per block */
 #define IQ_CHUNK_ROWS 64      /* input rows per work item (many-row inputs, e.g. prefill) */
 #ifndef IQ_PREFETCH_BYTES
-#define IQ_PREFETCH_BYTES 4096  /* weights prefetched this far ahead (panels lie back to back) */
+#define IQ_PREFETCH_BYTES 16384  /* weights prefetched this far ahead (panels lie back to back) */
 #endif
 enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3 };
 
@@ -135,7 +135,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
-        for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T0);
+        for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m512 mw = fmt == IQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
                                          : _mm512_setzero_ps();
@@ -178,7 +178,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
         if (h == 0)
-            for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T0);
+            for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
         const __m256 mw = fmt == IQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))
                                          : _mm256_setzero_ps();
