@@ -67,6 +67,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     context_len = _context_len(args, cfg)
     args = _with_shipped_draft(args, model_path, device, dtype)
     spec = resolve_spec_params(args, cfg)
+    _check_token_map(args, spec, cfg)
     spec_width = spec.num_draft_tokens if spec else 1   # KV slots per decode step per request
     try:
         draft = _read_draft(args, spec, cfg, tokenizer)
@@ -224,6 +225,16 @@ def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: t
     steps, topk, num_draft_tokens = shape
     return dataclasses.replace(args, speculative_num_steps=steps, speculative_eagle_topk=topk,
                                speculative_num_draft_tokens=num_draft_tokens)
+
+
+def _check_token_map(args: ServerArgs, spec, cfg: ModelConfig) -> None:
+    """A bad --speculative-token-map stops startup (ConfigError naming the flag) rather than
+    turning speculation off like a draft that fails to load. EAGLE3 ignores the map (logged)."""
+    if spec is None or args.speculative_token_map is None or spec.algorithm not in ("STANDALONE", "EAGLE"):
+        return
+    from specserve.speculative.token_map import read_token_map
+
+    read_token_map(args.speculative_token_map, cfg.vocab_size, spec.topk)
 
 
 def _fall_back_to_plain(args: ServerArgs, exc: Exception) -> None:

@@ -134,17 +134,10 @@ def _ngram_greedy(args: "ServerArgs") -> str | None:
             f"request's own sampling (greedy requests greedily), which keeps the target distribution")
 
 
-def _standalone_token_map(args: "ServerArgs") -> str | None:
-    if args.speculative_token_map is None or args.speculative_algorithm != "STANDALONE":
-        return None
-    return ("--speculative-token-map with STANDALONE: not applied yet, the draft model proposes from its "
-            "whole vocabulary (the map restricts EAGLE heads only)")
-
-
 NOTES: tuple[Callable[["ServerArgs"], str | None], ...] = (
     _cuda_graph_max_bs, _disable_cuda_graph, _torch_compile, _overlap, _data_parallel, _quantization,
     _draft_quantization, _attention, _moe, _multi_layer_eagle, _attention_mode, _trust_remote_code,
-    _stream_interval, _spec_v2, _ngram_greedy, _standalone_token_map)
+    _stream_interval, _spec_v2, _ngram_greedy)
 
 
 def startup_notes(args: "ServerArgs") -> list[str]:

@@ -25,6 +25,10 @@ Per decode step, for the requests the policy lets speculate:
 2. S - 1 frontier steps, one forward of K tokens per request each;
 3. rerank the pool to N nodes.
 
+FR-Spec (``--speculative-token-map``): the draft's LM head keeps only the map's rows
+(``token_map.py``), so its logits are [T, V_hot] and the tree builder maps hot indices
+back to target ids; a step then costs a fraction of the full head's [T, V] matmul.
+
 Requests left out of a step are not drafted; the next catch-up covers the gap.
 Prefill is lazy: the prefill hook only marks the slots the target wrote as stale;
 the first catch-up of a request computes the draft KV of its whole context,
@@ -32,6 +36,8 @@ except a shared (radix) prefix whose draft KV is already valid. So requests the
 policy never lets speculate (a busy server) cost no draft compute at all.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -41,7 +47,10 @@ from specserve.speculative import dynamic_tree as dt
 from specserve.speculative.base import ProposerContext
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
+from specserve.speculative.token_map import read_token_map, restricted_lm_head
 from specserve.speculative.tree import DraftTree, truncate_tree
+
+logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer(MirroredDraftProposer):
@@ -54,6 +63,20 @@ class DraftModelProposer(MirroredDraftProposer):
                                   num_kv_slots=self.num_draft_slots, page_size=1, max_rows=ctx.num_rows * self.topk,
                                   max_row_len=ctx.context_len + self.num_steps + 2,
                                   quantization=_draft_quantization(ctx.server_args, target.device.type))
+        self.token_map = self._restrict_to_token_map()      # [V_hot] target ids, or None (whole vocabulary)
+
+    def _restrict_to_token_map(self) -> torch.Tensor | None:
+        """FR-Spec: replace the draft's LM head by its ``--speculative-token-map`` rows."""
+        args = self.ctx.server_args
+        if args.speculative_token_map is None:
+            return None
+        model = self.runner.model
+        token_map = read_token_map(args.speculative_token_map, model.config.vocab_size, self.topk)
+        model.lm_head = restricted_lm_head(model.lm_head, token_map,
+                                           _draft_quantization(args, self.runner.device.type))
+        logger.info("STANDALONE draft proposes from the %d token ids of %s (FR-Spec)", token_map.numel(),
+                    args.speculative_token_map)
+        return token_map.to(self.runner.device)
 
     # ---- prefill ----------------------------------------------------------------------
     def on_prefill(self, engine, items: list) -> None:
@@ -74,8 +97,8 @@ class DraftModelProposer(MirroredDraftProposer):
 
     # ---- decode -----------------------------------------------------------------------
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
-        root_logits = self._catch_up(engine, items)                                   # [bs, V]
-        pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk)
+        root_logits = self._catch_up(engine, items)                                   # [bs, V_draft]
+        pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk, self.token_map)
         if self.num_steps > 1:
             pool = self._grow(engine, items, pool, frontier)
         roots = torch.tensor([tail_ids(item.req, 1)[0] for item in items])
@@ -85,7 +108,8 @@ class DraftModelProposer(MirroredDraftProposer):
         return [truncate_tree(DraftTree(tokens[b], parents[b]), cap) for b, cap in enumerate(max_nodes)]
 
     def _catch_up(self, engine, items: list) -> torch.Tensor:
-        """Extend over all tokens the draft has not seen, root included. Returns logits [bs, V]."""
+        """Extend over all tokens the draft has not seen, root included. Returns logits [bs, V_draft]
+        (V_draft: the vocabulary, or the token map's V_hot)."""
         specs = []
         for item in items:
             req, state = item.req, _state(item.req)
@@ -110,8 +134,8 @@ class DraftModelProposer(MirroredDraftProposer):
         tokens = frontier.tokens.cpu().tolist()                  # host copy: ExtendSpec takes lists
         for step in range(1, self.num_steps):
             logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths))
-            logprobs = torch.log_softmax(logits.float(), dim=-1).view(bs, k, -1)   # [bs, K, V]
-            pool, frontier = dt.expand_step(pool, frontier, logprobs, k)
+            logprobs = torch.log_softmax(logits.float(), dim=-1).view(bs, k, -1)   # [bs, K, V_draft]
+            pool, frontier = dt.expand_step(pool, frontier, logprobs, k, self.token_map)
             if step + 1 < self.num_steps:
                 tokens, parent_slot = torch.stack([frontier.tokens, frontier.parent_slot]).cpu().tolist()
                 paths = [[paths[b][p] + [self._scratch(b, step, p)] for p in parent_slot[b]]
