@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.backends.jax.buckets import Buckets, parse_paddings
-from specserve.backends.jax.runner import JaxModelRunner
-from specserve.runner.model_runner import ExtendSpec, ModelRunner
-from tests.model.tiny_llama import random_weights, tiny_config
+from specserve.backends.jax import missing_reason
+
+pytest.importorskip("jax", reason=missing_reason())
+
+from specserve.backends.jax.buckets import Buckets, parse_paddings  # noqa: E402
+from specserve.backends.jax.runner import JaxModelRunner  # noqa: E402
+from specserve.runner.model_runner import ExtendSpec, ModelRunner  # noqa: E402
+from tests.model.tiny_llama import random_weights, tiny_config  # noqa: E402
 
 RUNNER_KW = dict(dtype=torch.float32, max_position=512, num_kv_slots=512, page_size=1, max_rows=8,
                  max_row_len=300)
