@@ -103,3 +103,14 @@ def test_page_size_above_one_is_refused():
     cfg = tiny_config()
     with pytest.raises(ConfigError, match="--page-size"):
         JaxModelRunner(cfg, list(random_weights(cfg, seed=0).items()), **dict(RUNNER_KW, page_size=4))
+
+
+def test_bfloat16_logits_and_features():
+    cfg = tiny_config()
+    weights = list(random_weights(cfg, seed=0).items())
+    kw = dict(RUNNER_KW, dtype=torch.bfloat16)
+    spec = ExtendSpec(row=0, prefix_len=0, token_ids=[1, 2, 3, 4, 5], new_slots=[10, 11, 12, 13, 14], num_logits=5)
+    expected = ModelRunner(cfg, weights, device="cpu", **kw).forward([spec], is_prefill=True)
+    got, features = JaxModelRunner(cfg, weights, **kw).forward([spec], "final", is_prefill=True)
+    torch.testing.assert_close(got, expected.float(), atol=0.1, rtol=0.05)
+    assert features.dtype == torch.bfloat16 and features.shape == (5, 64)

@@ -156,7 +156,7 @@ class JaxModelRunner:
             out = np.concatenate([stacked[i][token_rows] for i in aux], axis=-1)
         else:
             raise ValueError(f"unknown features kind {kind!r}")
-        return torch.from_numpy(np.ascontiguousarray(out)).to(self.dtype)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(self.dtype)   # numpy has no bf16
 
     def pack(self, specs, is_prefill: bool = False) -> tuple[dict, np.ndarray, int]:
         """The padded batch arrays, the flat rows of the real tokens (spec order) and the
