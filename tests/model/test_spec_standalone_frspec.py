@@ -89,11 +89,13 @@ def test_greedy_lossless_batched(engines, prompt_ids, hot_ids, monkeypatch):
     assert drafted and set(drafted) <= hot_ids
 
 
-def test_out_of_range_token_map_is_a_config_error(default_gguf_path, tmp_path):
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+def test_out_of_range_token_map_is_a_config_error(default_gguf_path, tmp_path, algorithm):
+    """A startup error naming the flag, not a draft that fails to load (speculation turned off)."""
     bad = tmp_path / "map.pt"
     torch.save([5, 49152], bad)
     with pytest.raises(ConfigError) as info:
-        Engine(model_path=default_gguf_path, speculative_algorithm="STANDALONE",
+        Engine(model_path=default_gguf_path, speculative_algorithm=algorithm,
                speculative_token_map=str(bad), **ENGINE_KW)
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"--speculative-token-map {bad}:"), message
