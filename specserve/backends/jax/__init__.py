@@ -2,11 +2,13 @@
 ModelRunner interface, so the scheduler, radix/paged KV cache, API and speculative
 workers run unchanged. Install with ``pip install -e .[jax]`` (``make install-jax``).
 
-Modules: ``params`` (torch weights -> stacked JAX arrays), ``model`` (the jitted
-forward), ``attention`` (paged tree-mask attention), ``runner`` (JaxModelRunner:
-padded buckets, KV slots, torch logits), ``precompile`` (buckets compiled ahead of
-serving), ``sharding`` (``--tp-size`` over ``jax.sharding``, ``jax.distributed``),
-``target_shell`` (the torch embedding / lm_head the EAGLE heads share).
+Modules: ``engine_hook`` (what ``engine_setup`` calls), ``runner`` (JaxModelRunner: KV
+slots, torch logits), ``buckets`` (padded shapes, SGL-JAX's precompile flags),
+``precompile`` (buckets compiled ahead of serving), ``model`` (the jitted forward),
+``attention`` (paged tree-mask attention), ``params`` (checkpoint tensors -> stacked
+arrays, strict), ``sharding`` (``--tp-size`` over ``jax.sharding``, ``jax.distributed``),
+``target_shell`` (the torch embedding / lm_head the EAGLE heads share), ``setup``
+(process-wide JAX settings). Nothing here is imported unless ``--backend jax`` is given.
 """
 from __future__ import annotations
 
