@@ -7,7 +7,9 @@ SPEC_ARGS ?= --speculative-algorithm NGRAM
 SERVE_ARGS ?=
 JAX_VERSION := 0.10.2
 
-.PHONY: install install-jax serve test test-all bench model clean
+BENCH_ARGS ?=
+
+.PHONY: install install-jax serve test test-all bench bench-http model clean
 
 install: $(BIN)/.installed
 
@@ -40,6 +42,10 @@ test-all: install model
 
 bench: install model
 	$(BIN)/python -m specserve.cli bench plain
+
+# The server `make serve` starts, under load, beside the offline Engine and llama.cpp (when installed).
+bench-http: install model
+	$(BIN)/python -m specserve.cli bench http --server-args="$(strip $(SPEC_ARGS) $(SERVE_ARGS))" $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
