@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="launch_server flags of the server under test (default: make serve's, %(default)r)")
     parser.add_argument("--base-url", default=None, help="bench a running server instead of starting one")
     parser.add_argument("--concurrency", default="1,8,16,32,64", help="client counts (default %(default)s)")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="requests/s with Poisson arrivals, each concurrency level then caps the requests "
+                             "in flight (default: closed loop, every client sends as soon as its last ends)")
     parser.add_argument("--num-prompts", type=int, default=24, help="distinct prompts (default %(default)s)")
     parser.add_argument("--requests-per-client", type=int, default=2,
                         help="at concurrency N, max(num-prompts, N * this) requests (default %(default)s)")
@@ -86,7 +89,7 @@ def _bench_server(base_url: str, args, id_lists, ttft_ids) -> dict[str, Any]:
     for level in concurrency_levels(args.concurrency):
         for stream in ((True, False) if level == 1 else (True,)):
             num = max(len(id_lists), level * args.requests_per_client) if level > 1 else len(id_lists)
-            spec = hc.LoadSpec(level, stream, args.max_new_tokens, num)
+            spec = hc.LoadSpec(level, stream, args.max_new_tokens, num, request_rate=args.request_rate)
             records, wall = _load(base_url, id_lists, spec, f"http c={level} {'stream' if stream else 'full'}")
             if level == 1 and stream:
                 solo = {r.prompt_index: r.text for r in records}

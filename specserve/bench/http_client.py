@@ -165,12 +165,14 @@ class LoadSpec:
     duration_s: float | None = None     # keep sending (cycling the prompts) until this much time passed
     abort_fraction: float = 0.0         # this share of streams closes the connection mid-stream
     seed: int = 0
+    request_rate: float | None = None   # open loop: Poisson arrivals at this rate, at most `concurrency` in flight
 
 
 async def run_load(base_url: str, id_lists: list[list[int]], spec: LoadSpec, progress=None
                    ) -> tuple[list[HttpRecord], float]:
-    """Closed loop: ``spec.concurrency`` clients, each sending its next request when the last
-    one ends. Returns the records and the wall time."""
+    """Closed loop (``spec.concurrency`` clients, each sending its next request when the last
+    one ends) or, with ``spec.request_rate``, Poisson arrivals with at most ``concurrency`` in
+    flight, as SGLang's bench_serving. Returns the records and the wall time."""
     rng = random.Random(spec.seed)
     counter = iter(range(10**9))
     records: list[HttpRecord] = []
@@ -179,24 +181,41 @@ async def run_load(base_url: str, id_lists: list[list[int]], spec: LoadSpec, pro
 
     def next_index() -> int | None:
         n = next(counter)
-        elapsed = time.perf_counter() - start
         if spec.duration_s is not None:
-            return n if elapsed < spec.duration_s else None
+            return n if time.perf_counter() - start < spec.duration_s else None
         return n if n < spec.num_requests else None
+
+    async def send(client: httpx.AsyncClient, n: int) -> None:
+        index = n % len(id_lists)
+        abort_at = None
+        if spec.stream and rng.random() < spec.abort_fraction:
+            abort_at = rng.randint(1, max(1, spec.max_new_tokens // 2))
+        records.append(await send_one(client, index, id_lists[index], spec.max_new_tokens, spec.stream, abort_at))
+        if progress is not None:
+            progress.update(1)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while (n := next_index()) is not None:
-            index = n % len(id_lists)
-            abort_at = None
-            if spec.stream and rng.random() < spec.abort_fraction:
-                abort_at = rng.randint(1, max(1, spec.max_new_tokens // 2))
-            records.append(await send_one(client, index, id_lists[index], spec.max_new_tokens, spec.stream,
-                                          abort_at))
-            if progress is not None:
-                progress.update(1)
+            await send(client, n)
+
+    async def arrivals(client: httpx.AsyncClient) -> None:
+        in_flight = asyncio.Semaphore(spec.concurrency)
+
+        async def bounded(n: int) -> None:
+            async with in_flight:
+                await send(client, n)
+
+        tasks = []
+        while (n := next_index()) is not None:
+            tasks.append(asyncio.create_task(bounded(n)))
+            await asyncio.sleep(rng.expovariate(spec.request_rate))
+        await asyncio.gather(*tasks)
 
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        await asyncio.gather(*(client_loop(client) for _ in range(spec.concurrency)))
+        if spec.request_rate:
+            await arrivals(client)
+        else:
+            await asyncio.gather(*(client_loop(client) for _ in range(spec.concurrency)))
     return records, time.perf_counter() - start
 
 
