@@ -26,6 +26,7 @@ def build_jax_runner(args: ServerArgs, cfg: ModelConfig, weights, *, dtype: torc
     from specserve.backends.jax.buckets import DEFAULT_BS_PADDINGS, DEFAULT_TOKEN_PADDINGS, Buckets, parse_paddings
     from specserve.backends.jax.precompile import precompile, precompile_plan
     from specserve.backends.jax.runner import JaxModelRunner
+    from specserve.backends.jax import multihost
     from specserve.backends.jax.sharding import maybe_initialize_distributed
 
     try:
@@ -43,4 +44,8 @@ def build_jax_runner(args: ServerArgs, cfg: ModelConfig, weights, *, dtype: torc
     if not args.disable_precompile:
         plan = precompile_plan(buckets, max_running=max_rows, chunk_size=chunk_size, spec_width=spec_width)
         runner.precompile_seconds = precompile(runner, plan, want_aux=spec_algorithm == "EAGLE3")
+    if runner.is_multiprocess and not multihost.is_leader():
+        logger.info("jax.distributed: this process follows process 0's steps (it serves nothing itself)")
+        runner.follow()
+        raise SystemExit(0)
     return runner

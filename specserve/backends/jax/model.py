@@ -113,4 +113,6 @@ def forward_step(params, k_cache, v_cache, cos_table, sin_table, batch, *, shape
     (h, (k_cache, v_cache)), layer_inputs = jax.lax.scan(layer_step, (h, (k_cache, v_cache)), xs)
     hidden = rms_norm(h, params["norm"], shape.eps)
     logits = matmul_rows(hidden[batch["logit_rows"]], params["lm_head"])
+    if layer_inputs is None:
+        layer_inputs = jnp.zeros((0,), h.dtype)       # a fixed output structure (out_shardings)
     return logits.astype(jnp.float32), hidden, layer_inputs, k_cache, v_cache

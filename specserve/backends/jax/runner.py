@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specserve.backends.jax import setup  # noqa: F401  (x64, compilation cache: before jax use)
-from specserve.backends.jax import sharding
+from specserve.backends.jax import multihost, sharding
 from specserve.backends.jax.attention import KEY_BLOCK
 from specserve.backends.jax.buckets import MIN_ROWS, Buckets
 from specserve.backends.jax.model import StaticShape, forward_step
@@ -50,6 +50,7 @@ class JaxModelRunner:
         self.buckets = buckets or Buckets()
         self.tp_size = tp_size
         self.mesh = sharding.make_mesh(tp_size)
+        self.is_multiprocess = multihost.spans_processes(self.mesh)
         self._jdtype = _JAX_DTYPES[dtype]
         self._load(model_config, weights)
         self._init_rotary(max_position)
@@ -114,10 +115,10 @@ class JaxModelRunner:
         ``(logits, features)``; ``capture_features`` also keeps ``last_features``."""
         batch, token_rows, num_logits = self.pack(specs, is_prefill)
         want_aux = "aux" in (self.capture_features, features)
-        logits, hidden, layer_inputs, self.k_cache, self.v_cache = self._step(want_aux)(
-            self.params, self.k_cache, self.v_cache, self.cos_table, self.sin_table, batch)
-        self.compiled_shapes.add(_shape_key(batch, want_aux))
-        logits = torch.from_numpy(np.asarray(logits)[:num_logits].copy())
+        if self.is_multiprocess:
+            multihost.send_batch(batch, want_aux)
+        logits, hidden, layer_inputs = self.run_batch(batch, want_aux)
+        logits = torch.from_numpy(_local(logits)[:num_logits].copy())
         if self.capture_features is not None:
             self.last_features = self._features(self.capture_features, hidden, layer_inputs, token_rows)
         if features is None:
@@ -126,33 +127,49 @@ class JaxModelRunner:
             return logits, self.last_features
         return logits, self._features(features, hidden, layer_inputs, token_rows)
 
+    def run_batch(self, batch: dict, want_aux: bool):
+        """One jitted step over a packed batch: (logits, hidden, layer inputs), replicated."""
+        logits, hidden, layer_inputs, self.k_cache, self.v_cache = self._step(want_aux)(
+            self.params, self.k_cache, self.v_cache, self.cos_table, self.sin_table, batch)
+        self.compiled_shapes.add(_shape_key(batch, want_aux))
+        return logits, hidden, layer_inputs
+
+    def stop_followers(self) -> None:
+        """Process 0: end the other processes' ``follow`` loops."""
+        if self.is_multiprocess:
+            multihost.send_stop()
+
+    def follow(self) -> int:
+        """Processes other than 0 (jax.distributed): run the steps process 0 sends."""
+        return multihost.follow(self, lambda bsz, num_q, num_logits: _padding_batch(
+            bsz, num_q, num_logits, self.row_width, self.dummy_slot))
+
     def _step(self, want_aux: bool):
         if want_aux not in self._steps:
             cfg = self.config
             shape = StaticShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
                                 self.num_slots, want_aux)
-            self._steps[want_aux] = jax.jit(functools.partial(forward_step, shape=shape), donate_argnums=(1, 2))
+            replicated = NamedSharding(self.mesh, P())
+            out_shardings = (replicated,) * 3 + (self.k_cache.sharding, self.v_cache.sharding)
+            self._steps[want_aux] = jax.jit(functools.partial(forward_step, shape=shape), donate_argnums=(1, 2),
+                                            out_shardings=out_shardings)
         return self._steps[want_aux]
 
     def run_empty(self, bsz: int, num_q: int, num_logit_rows: int, want_aux: bool) -> None:
         """One forward of a batch of padding only (it writes and reads the dummy slot): compiles
         the (B, Q, logit rows, feature kind) bucket ahead of serving."""
-        batch = _empty_batch(bsz, num_q, self.row_width, self.dummy_slot)
-        batch["num_blocks"] = np.int32(1)
-        batch["logit_rows"] = np.zeros(num_logit_rows, np.int32)
-        out = self._step(want_aux)(self.params, self.k_cache, self.v_cache, self.cos_table, self.sin_table, batch)
-        self.k_cache, self.v_cache = out[3], out[4]
-        out[0].block_until_ready()
-        self.compiled_shapes.add(_shape_key(batch, want_aux))
+        logits, _, _ = self.run_batch(_padding_batch(bsz, num_q, num_logit_rows, self.row_width, self.dummy_slot),
+                                      want_aux)
+        logits.block_until_ready()
 
     def _features(self, kind: str, hidden, layer_inputs, token_rows: np.ndarray) -> torch.Tensor:
         if kind == "final":
-            out = np.asarray(hidden)[token_rows]
+            out = _local(hidden)[token_rows]
         elif kind == "aux":
             aux = self.model.aux_layer_ids
             if not aux:
                 raise ValueError("features 'aux' needs model.aux_layer_ids")
-            stacked = np.asarray(layer_inputs)
+            stacked = _local(layer_inputs)
             out = np.concatenate([stacked[i][token_rows] for i in aux], axis=-1)
         else:
             raise ValueError(f"unknown features kind {kind!r}")
@@ -184,6 +201,19 @@ def _empty_batch(bsz: int, num_q: int, row_width: int, dummy_slot: int) -> dict:
             "prefix_len": np.zeros(bsz, np.int32), "extend_len": np.zeros(bsz, np.int32),
             "tree_mask": np.zeros((bsz, num_q, num_q), bool),
             "kv_slots": np.full((bsz, row_width), dummy_slot, np.int32)}
+
+
+def _padding_batch(bsz: int, num_q: int, num_logit_rows: int, row_width: int, dummy_slot: int) -> dict:
+    """A batch of padding only (it writes and reads the dummy slot)."""
+    batch = _empty_batch(bsz, num_q, row_width, dummy_slot)
+    batch["num_blocks"] = np.int32(1)
+    batch["logit_rows"] = np.zeros(num_logit_rows, np.int32)
+    return batch
+
+
+def _local(array) -> np.ndarray:
+    """A replicated output's value on this process (jax.distributed: not fully addressable)."""
+    return np.asarray(array.addressable_data(0))
 
 
 def _fill_request(arrays: dict, b: int, num_q: int, spec, row_slots: np.ndarray) -> list[int]:

@@ -11,7 +11,8 @@ On one CPU host, ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set bef
 jax is imported) gives N devices. Across hosts, every host runs the same server
 command with ``SPECSERVE_JAX_COORDINATOR=host0:port``, ``SPECSERVE_JAX_NUM_PROCESSES``
 and ``SPECSERVE_JAX_PROCESS_ID``; ``maybe_initialize_distributed`` then calls
-``jax.distributed.initialize`` and ``jax.devices()`` lists every host's devices.
+``jax.distributed.initialize`` and ``jax.devices()`` lists every host's devices;
+process 0 serves and the others follow its steps (``multihost.py``).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def maybe_initialize_distributed() -> None:
     coordinator = os.environ.get("SPECSERVE_JAX_COORDINATOR")
     if not coordinator or jax.distributed.is_initialized():
         return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")      # CPU collectives across processes
     jax.distributed.initialize(coordinator_address=coordinator,
                                num_processes=int(os.environ["SPECSERVE_JAX_NUM_PROCESSES"]),
                                process_id=int(os.environ["SPECSERVE_JAX_PROCESS_ID"]))
