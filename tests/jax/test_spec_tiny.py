@@ -12,7 +12,7 @@ import pytest
 
 from tests.jax.helpers import random_prompts, staggered, tiny_engine
 from tests.model.tiny_draft_heads import eagle3_checkpoint, eagle_checkpoint, write_checkpoint
-from tests.model.tiny_llama import VOCAB, random_weights, tiny_config, write_tiny_model
+from tests.model.tiny_llama import VOCAB, perturbed, random_weights, tiny_config, write_tiny_model
 
 SPECS = {
     "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
@@ -20,6 +20,8 @@ SPECS = {
               "speculative_num_draft_tokens": 5},
     "EAGLE3": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
                "speculative_num_draft_tokens": 4},
+    "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_num_steps": 3, "speculative_eagle_topk": 2,
+                   "speculative_num_draft_tokens": 5},
 }
 
 
@@ -28,7 +30,9 @@ def tiny(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("jax_tiny")
     cfg = tiny_config()
     deep = tiny_config(num_layers=4)                       # EAGLE3 reads three distinct layers
-    return {"target": str(write_tiny_model(root / "target", random_weights(cfg, seed=0))),
+    weights = random_weights(cfg, seed=0)
+    return {"target": str(write_tiny_model(root / "target", weights)),
+            "STANDALONE": str(write_tiny_model(root / "draft", perturbed(weights, seed=1, noise=0.3))),
             "deep_target": str(write_tiny_model(root / "deep", random_weights(deep, seed=0), deep)),
             "EAGLE": str(write_checkpoint(root / "eagle", *eagle_checkpoint(cfg))),
             "EAGLE3": str(write_checkpoint(root / "eagle3", *eagle3_checkpoint(deep, draft_vocab=VOCAB // 2,
@@ -43,7 +47,7 @@ def _target_and_kwargs(tiny: dict[str, str], algo: str) -> tuple[str, dict]:
     return (tiny["deep_target"] if algo == "EAGLE3" else tiny["target"]), kwargs
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE", "EAGLE3", pytest.param("STANDALONE", marks=pytest.mark.slow)])
 def test_greedy_speculation_equals_plain_decoding(tiny, algo):
     model, kwargs = _target_and_kwargs(tiny, algo)
     prompts = random_prompts(6, seed=1)
