@@ -7,7 +7,7 @@ time to first token and inter-token latency (median, p99), end-to-end tokens/s p
 Batch 1 also runs without streaming. In the same run and on the same prompt ids, one after the
 other (never at the same time): the offline Engine at batch 1, llama.cpp at batch 1 when
 ``llama-cpp-python`` is installed, and the prefill forward of 128-token prompts beside the
-server's time to first token for them. ``--soak-duration`` adds a long run with clients that
+server's time to first token for them. Each configuration gets a fresh server. ``--soak-duration`` adds a long run with clients that
 hang up mid-stream, then checks the server: no 5xx, every completed greedy output identical
 to the prompt served alone, no KV held and no request running afterwards.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import shlex
 import time
@@ -25,7 +26,7 @@ from specserve.bench import http_client as hc
 from specserve.bench import prompts as prompt_data
 from specserve.bench import report
 from specserve.bench.serving import (
-    concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts, warm_up,
+    WARMUP_TEXT, concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts, warm_up,
 )
 
 MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM"   # what `make serve` adds (Makefile SPEC_ARGS)
@@ -65,7 +66,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"environment": report.environment(), "server_args": server_args,
                               "num_prompts": len(id_lists), "max_new_tokens": args.max_new_tokens,
                               "threads": args.threads}
-    result.update(_http_phase(args, server_args, id_lists, ttft_ids))
+    warm_ids = prompt_data.chat_ids(tokenizer, WARMUP_TEXT)
+    result.update(_http_phase(args, server_args, id_lists, ttft_ids, warm_ids))
     if not args.no_offline:
         result["offline"] = offline_engine(args, server_args, id_lists, ttft_ids)
     if not args.no_peer:
@@ -75,30 +77,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _http_phase(args, server_args, id_lists, ttft_ids) -> dict[str, Any]:
-    if args.base_url:
-        return _bench_server(args.base_url, args, id_lists, ttft_ids)
-    log_path = Path(args.out) / "bench_http_server.log"
-    with hc.server_process(server_args, args.threads, log_path) as base_url:
-        return _bench_server(base_url, args, id_lists, ttft_ids)
+def _http_phase(args, server_args, id_lists, ttft_ids, warm_ids) -> dict[str, Any]:
+    """Each configuration on a server of its own (unless ``--base-url``): a server remembers
+    what it served (prefix cache, NGRAM's n-grams of earlier outputs), which would flatter
+    every run after the first on the same prompts."""
+    def fresh_server(name: str):
+        if args.base_url:
+            return contextlib.nullcontext(args.base_url)
+        return hc.server_process(server_args, args.threads, Path(args.out) / f"bench_http_server_{name}.log")
 
-
-def _bench_server(base_url: str, args, id_lists, ttft_ids) -> dict[str, Any]:
-    asyncio.run(hc.run_load(base_url, id_lists[:2], hc.LoadSpec(2, True, 16, 4)))   # warm-up
-    levels, solo = [], None
+    levels, solo, out = [], None, {}
     for level in concurrency_levels(args.concurrency):
         for stream in ((True, False) if level == 1 else (True,)):
             num = max(len(id_lists), level * args.requests_per_client) if level > 1 else len(id_lists)
             spec = hc.LoadSpec(level, stream, args.max_new_tokens, num, request_rate=args.request_rate)
-            records, wall = _load(base_url, id_lists, spec, f"http c={level} {'stream' if stream else 'full'}")
-            if level == 1 and stream:
-                solo = {r.prompt_index: r.text for r in records}
-            levels.append(level_figures(level, stream, records, wall, solo))
-    ttft = _ttft_run(base_url, ttft_ids)
-    out = {"http": levels, "http_ttft_128": ttft, "server_after_levels": hc.server_state(base_url)}
+            name = f"c{level}-{'stream' if stream else 'full'}"
+            with fresh_server(name) as base_url:
+                _warm_up(base_url, warm_ids)
+                records, wall = _load(base_url, id_lists, spec, f"http {name}")
+                if level == 1 and stream:
+                    solo = {r.prompt_index: r.text for r in records}
+                    out["http_ttft_128"] = _ttft_run(base_url, ttft_ids)
+                levels.append(level_figures(level, stream, records, wall, solo))
+                levels[-1]["server_after"] = hc.server_state(base_url)
+    out["http"] = levels
     if args.soak_duration > 0:
-        out["soak"] = soak(base_url, args, id_lists, solo or {})
+        with fresh_server("soak") as base_url:
+            _warm_up(base_url, warm_ids)
+            out["soak"] = soak(base_url, args, id_lists, solo or {})
     return out
+
+
+def _warm_up(base_url: str, warm_ids: list[int]) -> None:
+    """First-call costs (kernel selection, allocations) on a prompt outside the eval set."""
+    asyncio.run(hc.run_load(base_url, [warm_ids], hc.LoadSpec(2, True, 16, 4)))
 
 
 def _load(base_url, id_lists, spec: hc.LoadSpec, desc: str):

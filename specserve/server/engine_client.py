@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from specserve.config import ServerArgs
 from specserve.core import SamplingParams, StepOutput
@@ -34,6 +33,7 @@ from specserve.tokenizer import TextStreamer, Tokenizer
 
 logger = logging.getLogger(__name__)
 STARTUP_POLL_MS = 200
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)   # enums cost a call each
 SHUTDOWN_WAIT_S = 10.0
 
 
@@ -88,7 +88,6 @@ class EngineClient:
         self._waiting: dict[int, tuple[asyncio.Future, Any]] = {}   # ticket -> (future, rids or None)
         self._tickets = itertools.count()
         self._death: str | None = None
-        self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- start and stop --------------------------------------------------------------
@@ -115,18 +114,18 @@ class EngineClient:
 
     def start(self) -> None:
         """Begin reading the model process's messages on the running asyncio loop."""
-        if self._reader is not None:
+        if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._reader = self._loop.create_task(self._read_messages())
+        self._loop.add_reader(self._from_model.getsockopt(zmq.FD), self._on_messages)
         self._loop.add_reader(self.process.sentinel, self._on_model_exit)
+        self._on_messages()   # anything that arrived before the loop watched the descriptor
 
     def shutdown(self) -> None:
         """Ask the model process to stop, wait for it, then make sure it is gone."""
         if self._loop is not None:
             self._loop.remove_reader(self.process.sentinel)
-        if self._reader is not None:
-            self._reader.cancel()
+            self._loop.remove_reader(self._from_model.getsockopt(zmq.FD))
         if self.process.is_alive():
             self._send(ipc.Shutdown())
         self._fail_everything(EngineUnavailable("the server is shutting down"))
@@ -194,10 +193,19 @@ class EngineClient:
             raise EngineUnavailable(self._death)
 
     # ---- messages in -------------------------------------------------------------------
-    async def _read_messages(self) -> None:
-        socket = zmq.asyncio.Socket.shadow(self._from_model.underlying)
+    def _on_messages(self) -> None:
+        """The socket's descriptor became readable: take every message waiting. ZMQ signals its
+        descriptor on edges: drain until EAGAIN, then read EVENTS once, which re-arms the edge
+        and says whether more came meanwhile. (zmq.asyncio does this too, but its futures cost
+        more than all the rest of a streamed token's handling.)"""
+        socket = self._from_model
         while True:
-            data = await socket.recv()
+            try:
+                data = socket.recv(_NOBLOCK)
+            except zmq.Again:
+                if not socket.getsockopt(_EVENTS) & _POLLIN:
+                    return
+                continue
             try:
                 self._handle(ipc.decode_to_front(data))
             except Exception:  # noqa: BLE001 - one bad message must not stop the reader
