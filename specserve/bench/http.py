@@ -29,7 +29,7 @@ from specserve.bench.serving import (
     WARMUP_TEXT, concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts, warm_up,
 )
 
-MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM"   # what `make serve` adds (Makefile SPEC_ARGS)
+MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM --quantization gguf"   # make serve's SPEC_ARGS QUANT_ARGS
 TTFT_PROMPT_LEN = 128
 
 
