@@ -14,6 +14,7 @@ from specserve.cache.radix import RadixCache
 from specserve.config import ServerArgs
 from specserve.core import Request, SamplingParams, StepOutput, TokenResult, new_rid
 from specserve.engine_setup import EngineParts, build_engine_parts
+from specserve.kernels import skinny
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.openmp_pool import release_thread_team
 from specserve.runner.sampler import SamplingBatch, compute_logprobs, sample
@@ -316,6 +317,8 @@ class LLMEngine:
             "num_requests": self.stats.num_requests, "num_generated_tokens": self.stats.num_generated_tokens,
             "avg_spec_accept_length": self.stats.avg_spec_accept_length,
             "speculative_algorithm": self.server_args.speculative_algorithm,
+            "quantization": self.server_args.quantization or "unquant",
+            "cpu_kernel_variant": skinny.kernel_variant() if self.device == "cpu" else None,
             **(self.spec_worker.server_info() if self.spec_worker is not None else {}),
         }
 
