@@ -117,6 +117,17 @@ def expand_sub_requests(prompts: list[list[int]], sampling: SamplingParams, base
     return subs
 
 
+async def accepted_group(group: "RequestGroup", accepted: asyncio.Future) -> "RequestGroup":
+    """``group`` once the engine has taken its sub-requests (re-raises the engine's refusal);
+    a caller that goes away while waiting aborts them."""
+    try:
+        await accepted
+    except asyncio.CancelledError:
+        group.abort()
+        raise
+    return group
+
+
 def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
     """Set a future's outcome unless its waiter already went away (runs on the asyncio loop)."""
     if future.done():
@@ -245,12 +256,7 @@ class AsyncEngine:
         group = RequestGroup(lambda rids: self._post(_Abort(rids)), [s.rid for s in subs], loop)
         accepted = loop.create_future()
         self._post(_AddGroup(group, subs, accepted))
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            group.abort()
-            raise
-        return group
+        return await accepted_group(group, accepted)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams,
                        rid: str | None = None) -> AsyncIterator[StepOutput]:

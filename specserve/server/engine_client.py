@@ -24,8 +24,8 @@ from specserve.config import ServerArgs
 from specserve.core import SamplingParams, StepOutput
 from specserve.server import ipc
 from specserve.server.async_engine import (
-    EngineError, EngineUnavailable, IndexedOutput, LiveRequest, RequestGroup, expand_sub_requests,
-    model_name_of,
+    EngineError, EngineUnavailable, IndexedOutput, LiveRequest, RequestGroup, accepted_group,
+    expand_sub_requests, model_name_of,
 )
 from specserve.server.metrics import ServerMetrics
 from specserve.server.model_process import run_model_process
@@ -154,12 +154,7 @@ class EngineClient:
             self._streams[sub.rid] = self._new_stream(group, sub.index, sub.sampling)
         accepted = self._ask(ipc.AddRequests, [ipc.AddRequest(s.rid, s.input_ids, s.sampling) for s in subs],
                              rids=rids)
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            group.abort()
-            raise
-        return group
+        return await accepted_group(group, accepted)
 
     async def query(self, method: str) -> Any:
         """``engine.<method>()`` in the model process, between steps."""
