@@ -274,8 +274,6 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     ttft = (result.get("http_ttft_128") or {}).get("ttft_median_s")
     summary["ttft_128_vs_prefill_forward"] = report.ratio(ttft or float("nan"),
                                                           offline.get("prefill_forward_128_median_s") or 0)
-    if offline.get("texts") and solo_stream is not None:
-        summary["offline_texts"] = len(offline["texts"])
     return summary
 
 
