@@ -155,17 +155,17 @@ class ModelLoop:
     def _fail_running(self, exc: Exception) -> None:
         rids = list(self.engine.requests)
         logger.exception("engine step failed; failing %d running request(s)", len(rids))
-        for rid in rids:
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001
-                logger.debug("abort after a failed step failed for %r", rid, exc_info=True)
+        self._abort_all()
         self._send(ipc.Failed(rids, f"engine failure: {type(exc).__name__}: {exc}"))
         time.sleep(CRASH_BACKOFF_S)
 
     def _abort_all(self) -> None:
+        """Abort every request the engine holds; one that fails to abort is logged, not raised."""
         for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                logger.debug("abort of %r failed", rid, exc_info=True)
 
     def _send(self, message: Any) -> None:
         self.outbox.send(ipc.encode(message))
