@@ -1,99 +1,291 @@
-/* Row-invariant paged attention for decode-shaped forwards (AVX2 + FMA).
+/* Row-invariant paged attention (AVX2 + FMA, AVX-512 where built so: the same bits either way).
 
    For every query row t (request b = row_batch[t], query j = row_query[t]) and query head,
    attend to the keys l of request b that mask[b, j, l] allows, reading K/V straight from the
    paged cache at slot kv_indices[b, l]:
-       score_l = (q . K[slot_l]) / sqrt(head_dim)        8-lane FMA chain + fixed horizontal sum
+       score_l = (q . K[slot_l]) / sqrt(head_dim)        the fixed sum order below
        w_l     = exp(score_l - max score)                one vectorized exp, elementwise
-       out     = (sum_l w_l V[slot_l]) / (sum_l w_l)     keys in order, float32
+       out     = (sum_l w_l V[slot_l]) / (sum_l w_l)     float32; the numerator's terms in key
+                                                         order, the denominator's in 8 lanes
+                                                         (keys l = i mod 8 in order) and hsum8
    Every step depends only on the keys a row attends to, in their order, never on the other
    rows, the batch, padding or masked keys (skipped, not added as zeros), nor on the thread
    count: a token gets the same bits verified inside a draft tree, decoded alone or batched.
-   The query heads of a GQA group share each key's address; keys are scored four at a time and
-   the weighted values summed in registers (the same chains, overlapped).
+
+   A score's sum order (head_dim padded with zeros to a multiple of 16): 16 partial sums
+   p_i = q_i k_i + q_(i+16) k_(i+16) + ... (one FMA chain each, d ascending), then the fixed tree
+   r_i = p_i + p_(i+8), s_i = r_i + r_(i+4), total = (s_0 + s_1) + (s_2 + s_3). Keys are scored
+   16 (AVX-512) or 8 (AVX2) at a time, each key's partial sums in a register of its own, and the
+   trees of a tile's keys are summed together by shuffles into one vector of scores: no
+   horizontal sum per key. The query heads of a GQA group share each key's loads, and the
+   weighted values are summed for several heads at once (each element one chain of FMAs over l,
+   the same whatever the vector width).
    Built by build.py (cpu_kernels.c), called from attention.py and decoder_layer.c. */
 #include "common.h"
 
 #define MAX_GROUP 16          /* query heads per KV head */
-
-#define KEY_TILE 4            /* keys scored together (independent FMA chains) */
 #define PREFETCH_KEYS 16      /* keys ahead whose K or V rows are prefetched */
+#define VALUE_CHUNKS 4        /* vectors of a value row summed per pass */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ATT_LANES 16          /* keys per score tile, lanes per vector */
+#define HEADS_PER_PASS 4      /* query heads whose weighted values are summed together */
+typedef __m512 vecf;
+static inline vecf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vecf v_set1(float x) { return _mm512_set1_ps(x); }
+static inline vecf v_fma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+/* elements d .. d + 15 of a K/V row (float32 or bfloat16), zeros past head_dim */
+static inline vecf v_load_row(const char *row, int d, int head_dim, int is_bf16) {
+    const int n = head_dim - d;
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1);
+    if (is_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 2 * (long)d)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)row + d);
+}
+static inline void v_store_part(float *out, vecf v, int n) {
+    _mm512_mask_storeu_ps(out, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1), v);
+}
+#else
+#define ATT_LANES 8
+#define HEADS_PER_PASS 2
+typedef __m256 vecf;
+static inline vecf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vecf v_set1(float x) { return _mm256_set1_ps(x); }
+static inline vecf v_fma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
+/* elements d .. d + 7 of a K/V row, zeros past head_dim (a multiple of 8) */
+static inline vecf v_load_row(const char *row, int d, int head_dim, int is_bf16) {
+    return d < head_dim ? load8(row + (long)d * (is_bf16 ? 2 : 4), is_bf16) : _mm256_setzero_ps();
+}
+static inline void v_store_part(float *out, vecf v, int n) {
+    if (n >= 8) {
+        _mm256_storeu_ps(out, v);
+    } else {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, v);
+        memcpy(out, lanes, (size_t)(n > 0 ? n : 0) * sizeof(float));
+    }
+}
+#endif
 
 /* prefetch the `bytes` bytes of a key or value row that a later iteration reads */
 static inline void prefetch_row(const char *p, int bytes) {
     for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-/* scores[g * padded + l] = q_g . K[slots[l]] for the `group` query heads, KEY_TILE keys at a
-   time so their chains overlap; each score is still its own chain over d and one hsum8 */
-static void score_keys(const float *q, const char *k_base, long slot_stride, const int64_t *slots,
-                       int num_keys, int group, int head_dim, int is_bf16, int padded, float *scores) {
+#if ATT_LANES == 16
+/* the lanes of chunk d .. d + 15 that lie inside head_dim */
+static inline __mmask16 chunk_mask(int d, int head_dim) {
+    const int n = head_dim - d;
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1);
+}
+static inline __m512 load_chunk(const char *row, int d, __mmask16 m, int is_bf16) {
+    if (is_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 2 * (long)d)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)row + d);
+}
+/* 16 keys' partial sums p_i -> their 16 scores in key order, each by the fixed tree */
+static inline __m512 reduce_tile(const __m512 *p) {
+    __m512 z[8], w[4], v[2];
+    for (int j = 0; j < 8; j++)      /* r_i = p_i + p_(i+8): keys 2j, 2j + 1 in the two halves */
+        z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++)      /* s_i = r_i + r_(i+4): keys 4j .. 4j + 3, one per 128-bit block */
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * j], z[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(z[2 * j], z[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++)      /* (s_0 + s_1), (s_2 + s_3) */
+        v[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0x88),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0xDD));
+    const __m512 total = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+    /* lane 4b + j holds key 4j + b */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), total);
+}
+/* scores of 16 keys for one query head q (hd16 floats, zero padded); HD16 a constant where
+   the caller can make it one, so the query's chunks stay in registers */
+static inline __attribute__((always_inline)) __m512 score_tile_dtype(
+        const float *q, const char *const *keys, int head_dim, int HD16, int is_bf16) {
+    __m512 p[16];
+    _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) {
+        const char *key = keys[k];
+        p[k] = _mm512_mul_ps(_mm512_loadu_ps(q), load_chunk(key, 0, chunk_mask(0, head_dim), is_bf16));
+        _Pragma("GCC unroll 8") for (int d = 16; d < HD16; d += 16)
+            p[k] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_chunk(key, d, chunk_mask(d, head_dim), is_bf16), p[k]);
+    }
+    return reduce_tile(p);
+}
+#else
+static inline __m256 load_chunk(const char *row, int d, int head_dim, int is_bf16) {
+    return d < head_dim ? load8(row + (long)d * (is_bf16 ? 2 : 4), is_bf16) : _mm256_setzero_ps();
+}
+/* 8 keys' r_i = p_i + p_(i+8) -> their 8 scores in key order, by the same tree as the AVX-512 variant */
+static inline __m256 reduce_tile(const __m256 *r) {
+    __m256 s[4], t[2];
+    for (int j = 0; j < 4; j++)      /* s_i = r_i + r_(i+4): keys 2j, 2j + 1, one per 128-bit half */
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(r[2 * j], r[2 * j + 1], 0x20),
+                             _mm256_permute2f128_ps(r[2 * j], r[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++)
+        t[j] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * j], s[2 * j + 1], 0x88),
+                             _mm256_shuffle_ps(s[2 * j], s[2 * j + 1], 0xDD));
+    const __m256 total = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));
+    /* lanes hold keys 0, 2, 4, 6, 1, 3, 5, 7 */
+    return _mm256_permutevar8x32_ps(total, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+/* scores of 8 keys: the 16 partial sums as two halves, lo = lanes 0..7, hi = lanes 8..15 */
+static inline __attribute__((always_inline)) __m256 score_tile_dtype(
+        const float *q, const char *const *keys, int head_dim, int HD16, int is_bf16) {
+    __m256 r[8];
+    _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
+        const char *key = keys[k];
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), load_chunk(key, 0, head_dim, is_bf16));
+        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), load_chunk(key, 8, head_dim, is_bf16));
+        _Pragma("GCC unroll 8") for (int d = 16; d < HD16; d += 16) {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_chunk(key, d, head_dim, is_bf16), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load_chunk(key, d + 8, head_dim, is_bf16), hi);
+        }
+        r[k] = _mm256_add_ps(lo, hi);
+    }
+    return reduce_tile(r);
+}
+#endif
+/* score_tile_dtype with the dtype and the common head sizes as constants (no lane masks) */
+static vecf score_tile(const float *q, const char *const *keys, int head_dim, int hd16, int is_bf16) {
+    if (is_bf16) return score_tile_dtype(q, keys, head_dim, hd16, 1);
+    switch (head_dim) {
+    case 64: return score_tile_dtype(q, keys, 64, 64, 0);
+    case 128: return score_tile_dtype(q, keys, 128, 128, 0);
+    default: return score_tile_dtype(q, keys, head_dim, hd16, 0);
+    }
+}
+
+/* scores[g * padded + l] = q_g . K[slots[l]] for the `group` query heads (q: group x hd16,
+   zero padded), ATT_LANES keys at a time (a short last tile repeats its first key) */
+static void score_keys(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
+                       int group, int head_dim, int hd16, int is_bf16, int padded, float *scores) {
     const int esize = is_bf16 ? 2 : 4;
-    for (int l0 = 0; l0 < num_keys; l0 += KEY_TILE) {
-        const int n = num_keys - l0 < KEY_TILE ? num_keys - l0 : KEY_TILE;
-        const char *keys[KEY_TILE];
-        for (int i = 0; i < KEY_TILE; i++) keys[i] = k_base + slots[l0 + (i < n ? i : 0)] * slot_stride;
-        for (int i = 0; i < KEY_TILE && l0 + PREFETCH_KEYS + i < num_keys; i++)
-            prefetch_row(k_base + slots[l0 + PREFETCH_KEYS + i] * slot_stride, head_dim * esize);
-        for (int g = 0; g < group; g++) {
-            __m256 acc[KEY_TILE];
-            for (int i = 0; i < KEY_TILE; i++) acc[i] = _mm256_setzero_ps();
-            for (int d = 0; d < head_dim; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + g * head_dim + d);
-                for (int i = 0; i < KEY_TILE; i++)
-                    acc[i] = _mm256_fmadd_ps(qv, load8(keys[i] + d * esize, is_bf16), acc[i]);
-            }
-            for (int i = 0; i < n; i++) scores[g * padded + l0 + i] = hsum8(acc[i]);
+    for (int l0 = 0; l0 < num_keys; l0 += ATT_LANES) {
+        const int n = num_keys - l0 < ATT_LANES ? num_keys - l0 : ATT_LANES;
+        const char *keys[ATT_LANES];
+        for (int i = 0; i < ATT_LANES; i++) keys[i] = k_base + slots[l0 + (i < n ? i : 0)] * slot_stride;
+        for (int g = 0; g < group; g++)
+            v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16, is_bf16), n);
+    }
+}
+
+/* out[g * head_dim + d] for NG heads from g0 and the VALUE_CHUNKS vectors from d0:
+   sum_l w_g[l] * V[slots[l]][d], keys in order (each element one chain of FMAs over l) */
+static inline __attribute__((always_inline)) void weigh_pass(
+        const float *w, int padded, int g0, int NG, const char *v_base, long slot_stride,
+        const int64_t *slots, int num_keys, int d0, int head_dim, int is_bf16, float *out) {
+    const int esize = is_bf16 ? 2 : 4;
+    vecf acc[HEADS_PER_PASS][VALUE_CHUNKS];
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = v_zero();
+    for (int l = 0; l < num_keys; l++) {
+        const char *value = v_base + slots[l] * slot_stride;
+        vecf v[VALUE_CHUNKS];
+        for (int c = 0; c < VALUE_CHUNKS; c++) v[c] = v_load_row(value, d0 + c * ATT_LANES, head_dim, is_bf16);
+        for (int g = 0; g < NG; g++) {
+            const vecf wv = v_set1(w[(g0 + g) * padded + l]);
+            for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = v_fma(wv, v[c], acc[g][c]);
         }
     }
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < VALUE_CHUNKS; c++) {
+            const int d = d0 + c * ATT_LANES;
+            v_store_part(out + (g0 + g) * head_dim + d, acc[g][c], head_dim - d);
+        }
 }
 
-/* out[d0 .. d0 + NV * 8) of one head = sum_l w[l] * V[slots[l]][d], keys in order, the partial
-   sums in registers (each element one chain of FMAs over l) */
-#define DEFINE_WEIGH(NAME, NV)                                                                   \
-static void NAME(const float *w, const char *v_base, long slot_stride, const int64_t *slots,    \
-                 int num_keys, int d0, int is_bf16, float *out) {                                \
-    const int esize = is_bf16 ? 2 : 4;                                                           \
-    __m256 acc[NV];                                                                              \
-    for (int i = 0; i < NV; i++) acc[i] = _mm256_setzero_ps();                                   \
-    for (int l = 0; l < num_keys; l++) {                                                         \
-        if (l + PREFETCH_KEYS < num_keys)                                                        \
-            prefetch_row(v_base + slots[l + PREFETCH_KEYS] * slot_stride + (long)d0 * esize, NV * 8 * esize); \
-        const char *value = v_base + slots[l] * slot_stride + (long)d0 * esize;                  \
-        const __m256 wv = _mm256_set1_ps(w[l]);                                                  \
-        for (int i = 0; i < NV; i++) acc[i] = _mm256_fmadd_ps(wv, load8(value + i * 8 * esize, is_bf16), acc[i]); \
-    }                                                                                            \
-    for (int i = 0; i < NV; i++) _mm256_storeu_ps(out + d0 + i * 8, acc[i]);                     \
+static inline __attribute__((always_inline)) void weigh_values_dims(
+        const float *w, int padded, int group, const char *v_base, long slot_stride, const int64_t *slots,
+        int num_keys, int head_dim, int is_bf16, float *out) {
+    for (int d0 = 0; d0 < head_dim; d0 += VALUE_CHUNKS * ATT_LANES)
+        for (int g0 = 0; g0 < group; g0 += HEADS_PER_PASS) {
+            const int ng = group - g0 < HEADS_PER_PASS ? group - g0 : HEADS_PER_PASS;
+            switch (ng) {   /* constant head counts keep the accumulators in registers */
+            case 1: weigh_pass(w, padded, g0, 1, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out); break;
+#if HEADS_PER_PASS > 2
+            case 2: weigh_pass(w, padded, g0, 2, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out); break;
+            case 3: weigh_pass(w, padded, g0, 3, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out); break;
+#endif
+            default: weigh_pass(w, padded, g0, HEADS_PER_PASS, v_base, slot_stride, slots, num_keys, d0, head_dim,
+                                is_bf16, out);
+            }
+        }
 }
-DEFINE_WEIGH(weigh_values_8, 8)
-DEFINE_WEIGH(weigh_values_1, 1)
 
-/* One query row against one KV head: the `group` query heads q[g * head_dim ...] (float32,
-   already scaled), keys/values at `slots` (num_keys of them). scores: >= round8(num_keys) *
-   group floats of scratch. Writes out[g * head_dim + d] in float32. */
+/* weigh_values_dims with the common head sizes as constants (no lane masks) */
+static void weigh_values(const float *w, int padded, int group, const char *v_base, long slot_stride,
+                         const int64_t *slots, int num_keys, int head_dim, int is_bf16, float *out) {
+    if (head_dim == 64 && !is_bf16)
+        weigh_values_dims(w, padded, group, v_base, slot_stride, slots, num_keys, 64, 0, out);
+    else if (head_dim == 128 && !is_bf16)
+        weigh_values_dims(w, padded, group, v_base, slot_stride, slots, num_keys, 128, 0, out);
+    else
+        weigh_values_dims(w, padded, group, v_base, slot_stride, slots, num_keys, head_dim, is_bf16, out);
+}
+
+/* One query row against one KV head: the `group` query heads q[g * hd16 ...] (float32, already
+   scaled, zero padded to hd16), keys/values at `slots` (num_keys of them). scores: >=
+   round8(num_keys) * group floats of scratch. Writes out[g * head_dim + d] in float32. */
 static void attend_row(const float *q, const char *k_base, const char *v_base, long slot_stride,
-                       const int64_t *slots, int num_keys, int group, int head_dim, int is_bf16,
+                       const int64_t *slots, int num_keys, int group, int head_dim, int hd16, int is_bf16,
                        float *scores, float *out) {
     const int padded = (num_keys + 7) / 8 * 8;
-    score_keys(q, k_base, slot_stride, slots, num_keys, group, head_dim, is_bf16, padded, scores);
+    score_keys(q, k_base, slot_stride, slots, num_keys, group, head_dim, hd16, is_bf16, padded, scores);
+    float inv[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *row = scores + g * padded;
-        float max = -INFINITY;
-        for (int l = 0; l < num_keys; l++) max = row[l] > max ? row[l] : max;
         for (int l = num_keys; l < padded; l++) row[l] = -INFINITY;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int l = 0; l < padded; l += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + l));
+        float lanes[8], max = -INFINITY;
+        _mm256_storeu_ps(lanes, vmax);
+        for (int i = 0; i < 8; i++) max = lanes[i] > max ? lanes[i] : max;
         const __m256 m = _mm256_set1_ps(max);
-        for (int l = 0; l < padded; l += 8)
-            _mm256_storeu_ps(row + l, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), m)));
-        float sum = 0.f;
-        for (int l = 0; l < num_keys; l++) sum += row[l];
-        int d0 = 0;
-        for (; d0 + 64 <= head_dim; d0 += 64)
-            weigh_values_8(row, v_base, slot_stride, slots, num_keys, d0, is_bf16, out + g * head_dim);
-        for (; d0 < head_dim; d0 += 8)
-            weigh_values_1(row, v_base, slot_stride, slots, num_keys, d0, is_bf16, out + g * head_dim);
-        const float inv = 1.0f / sum;
-        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv;
+        __m256 sum = _mm256_setzero_ps();      /* lane i: keys i, i + 8, ... in order (padding adds 0) */
+        int l = 0;
+#ifdef __AVX512F__
+        const __m512 m16 = _mm512_set1_ps(max);
+        for (; l + 16 <= padded; l += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), m16));
+            _mm512_storeu_ps(row + l, e);
+            sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+            sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e, 1));
+        }
+#endif
+        for (; l < padded; l += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), m));
+            _mm256_storeu_ps(row + l, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        inv[g] = 1.0f / hsum8(sum);
     }
+    weigh_values(scores, padded, group, v_base, slot_stride, slots, num_keys, head_dim, is_bf16, out);
+    for (int g = 0; g < group; g++)
+        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv[g];
+}
+
+/* slots[0 .. n) = the slots of the allowed keys, in order; returns n. Masks are mostly runs
+   (causal, tree prefixes), so 8 mask bytes are tested at once. */
+static int allowed_slots(const uint8_t *allowed, const int64_t *kv_row, int L, int64_t *slots) {
+    int n = 0, l = 0;
+    for (; l + 8 <= L; l += 8) {
+        uint64_t bytes;
+        memcpy(&bytes, allowed + l, 8);
+        if (bytes == 0) continue;
+        if (bytes == 0x0101010101010101ull) {
+            memcpy(slots + n, kv_row + l, 8 * sizeof(int64_t));
+            n += 8;
+            continue;
+        }
+        for (int i = l; i < l + 8; i++)
+            if (allowed[i]) slots[n++] = kv_row[i];
+    }
+    for (; l < L; l++)
+        if (allowed[l]) slots[n++] = kv_row[l];
+    return n;
 }
 
 /* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer
@@ -108,6 +300,7 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
     const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    const int hd16 = (head_dim + 15) / 16 * 16;
     const long slot_stride = (long)num_kv_heads * head_dim * esize;
     const float scale = 1.0f / sqrtf((float)head_dim);
     #pragma omp parallel num_threads(nthreads)
@@ -115,22 +308,25 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
         const int padded = (L + 7) / 8 * 8;
         float *scores = (float *)malloc((size_t)padded * group * sizeof(float));
         int64_t *slots = (int64_t *)malloc((size_t)L * sizeof(int64_t));
-        float *qf = (float *)malloc((size_t)group * head_dim * sizeof(float));
+        float *qf = (float *)calloc((size_t)group * hd16, sizeof(float));
         float *res = (float *)malloc((size_t)group * head_dim * sizeof(float));
         #pragma omp for schedule(static)
         for (long task = 0; task < (long)T * num_kv_heads; task++) {
             const int t = (int)(task / num_kv_heads), h = (int)(task % num_kv_heads);
             const int b = row_batch[t], j = row_query[t];
             const uint8_t *allowed = mask + ((long)b * Q + j) * L;
-            int num_keys = 0;
-            for (int l = 0; l < L; l++)
-                if (allowed[l]) slots[num_keys++] = kv_indices[(long)b * L + l];
+            const int num_keys = allowed_slots(allowed, kv_indices + (long)b * L, L, slots);
             const long q_off = (long)t * q_ld + (long)h * group * head_dim;
             const long out_off = ((long)t * num_heads + (long)h * group) * head_dim;
-            for (int i = 0; i < group * head_dim; i++) qf[i] = get_elem(q, q_off + i, is_bf16) * scale;
-            attend_row(qf, (const char *)k_layer + (long)h * head_dim * esize,
-                       (const char *)v_layer + (long)h * head_dim * esize, slot_stride,
-                       slots, num_keys, group, head_dim, is_bf16, scores, res);
+            for (int g = 0; g < group; g++)
+                for (int d = 0; d < head_dim; d++)
+                    qf[g * hd16 + d] = get_elem(q, q_off + g * head_dim + d, is_bf16) * scale;
+            if (num_keys == 0)
+                memset(res, 0, (size_t)group * head_dim * sizeof(float));
+            else
+                attend_row(qf, (const char *)k_layer + (long)h * head_dim * esize,
+                           (const char *)v_layer + (long)h * head_dim * esize, slot_stride,
+                           slots, num_keys, group, head_dim, hd16, is_bf16, scores, res);
             for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, res[i], is_bf16);
         }
         free(scores);
