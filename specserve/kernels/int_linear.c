@@ -83,10 +83,10 @@ static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, fl
         v[s] = load8((const char *)x + s * 8 * esize, is_bf16);
         amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[s]));
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, amax);
-    float m = lanes[0];
-    for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float m = _mm_cvtss_f32(m4);      /* the largest |x| (max is exact in any order) */
     const float scale = m / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
     const __m256 inv8 = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     __m256i n[4];
@@ -98,28 +98,38 @@ static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, fl
     }
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
     _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    int32_t sums[8], sum = 0;
-    _mm256_storeu_si256((__m256i *)sums, total);
-    for (int i = 0; i < 8; i++) sum += sums[i];
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const int32_t sum = _mm_cvtsi128_si32(s4);
     *d = scale;
     *ds = scale * (float)sum;
     *start = iq_start(fmt, sum);
 }
 
-static int iq_input_init(iq_input *a, const void *x, int M, int K, int is_bf16, int fmt) {
-    const int nb = K / IQ_K, esize = is_bf16 ? 2 : 4;
+static int iq_input_alloc(iq_input *a, int M, int K) {
+    const int nb = K / IQ_K;
     a->K = K, a->nb = nb;
     a->q = (int8_t *)malloc((size_t)M * K);
     a->d = (float *)malloc((size_t)M * nb * 4);
     a->ds = (float *)malloc((size_t)M * nb * 4);
     a->start = (int32_t *)malloc((size_t)M * nb * 4);
-    if (!a->q || !a->d || !a->ds || !a->start) return -1;
-    for (long m = 0; m < M; m++)
-        for (int b = 0; b < nb; b++) {
-            const long i = m * nb + b;
-            iq_quantize_block((const char *)x + (m * K + (long)b * IQ_K) * esize, is_bf16, fmt,
-                              a->q + m * K + (long)b * IQ_K, a->d + i, a->ds + i, a->start + i);
-        }
+    return !a->q || !a->d || !a->ds || !a->start ? -1 : 0;
+}
+
+/* input row m quantized block by block into a */
+static void iq_quantize_row(iq_input *a, const void *x, long m, int is_bf16, int fmt) {
+    const int K = a->K, nb = a->nb, esize = is_bf16 ? 2 : 4;
+    for (int b = 0; b < nb; b++) {
+        const long i = m * nb + b;
+        iq_quantize_block((const char *)x + (m * K + (long)b * IQ_K) * esize, is_bf16, fmt,
+                          a->q + m * K + (long)b * IQ_K, a->d + i, a->ds + i, a->start + i);
+    }
+}
+
+static int iq_input_init(iq_input *a, const void *x, int M, int K, int is_bf16, int fmt) {
+    if (iq_input_alloc(a, M, K)) return -1;
+    for (long m = 0; m < M; m++) iq_quantize_row(a, x, m, is_bf16, fmt);
     return 0;
 }
 
@@ -259,19 +269,32 @@ static int int_linear(const uint8_t *panels, int fmt, const void *x, const float
     const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
     const long panel_bytes = (long)(K / IQ_K) * iq_record_bytes(fmt);
     iq_input a;
-    const double t = profile_clock();
-    if (iq_input_init(&a, x, M, K, is_bf16, fmt)) {
+    if (iq_input_alloc(&a, M, K)) {
         iq_input_free(&a);
         return -1;
     }
-    profile_mark(PROF_QUANTIZE, t);                /* also inside its linear's time */
     const long num_chunks = (M + IQ_CHUNK_ROWS - 1) / IQ_CHUNK_ROWS, items = num_chunks * num_panels;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long it = 0; it < items; it++) {
-        const long chunk = it / num_panels, m0 = chunk * IQ_CHUNK_ROWS;
-        const long m1 = m0 + IQ_CHUNK_ROWS < M ? m0 + IQ_CHUNK_ROWS : M;
-        const int pnl = (int)(it % num_panels);
-        iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16);
+    double t = profile_clock();
+    const int quantize_inside = M >= 4 * nthreads;    /* fewer rows: not worth a barrier */
+    if (!quantize_inside) {
+        for (long m = 0; m < M; m++) iq_quantize_row(&a, x, m, is_bf16, fmt);
+        t = profile_mark(PROF_QUANTIZE, t);
+    }
+    #pragma omp parallel num_threads(nthreads)
+    {
+        if (quantize_inside) {
+            #pragma omp for schedule(static)
+            for (long m = 0; m < M; m++) iq_quantize_row(&a, x, m, is_bf16, fmt);
+            #pragma omp single nowait
+            t = profile_mark(PROF_QUANTIZE, t);    /* also inside its linear's time */
+        }
+        #pragma omp for schedule(static)
+        for (long it = 0; it < items; it++) {
+            const long chunk = it / num_panels, m0 = chunk * IQ_CHUNK_ROWS;
+            const long m1 = m0 + IQ_CHUNK_ROWS < M ? m0 + IQ_CHUNK_ROWS : M;
+            const int pnl = (int)(it % num_panels);
+            iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16);
+        }
     }
     iq_input_free(&a);
     return 0;
