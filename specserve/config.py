@@ -40,6 +40,7 @@ class ServerArgs:
     load_format: str = "auto"
     revision: str | None = None
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -126,6 +127,9 @@ class ServerArgs:
             raise ConfigError("--mem-fraction-static must be in (0, 1)")
         if self.page_size < 1:
             raise ConfigError("--page-size must be >= 1")
+        if self.kv_cache_dtype not in ("auto", "bf16", "bfloat16"):
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: only auto and bf16/bfloat16 are "
+                              "implemented here (no fp8/fp4 KV kernels in this build)")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ConfigError("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

@@ -22,7 +22,7 @@ from specserve.loading.loader import (check_architecture, check_load_format, che
 from specserve.models.attention import KVCache, get_backend
 from specserve.models.packed_linear import has_packed_kernels, warm_up_packed_linears
 from specserve.runner.memory import MemoryBudgetError, plan_kv_budget
-from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype
+from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype, resolve_kv_dtype
 from specserve.scheduler import Scheduler
 from specserve.speculative.params import resolve_spec_params
 from specserve.tokenizer import Tokenizer
@@ -76,7 +76,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     except (OSError, ValueError, ConfigError) as exc:
         _fall_back_to_plain(args, exc)
         spec = draft = None
-    kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
+    kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
     extra_bytes += _coded_weight_bytes(model_path, device, dtype)
     try:
@@ -98,12 +99,12 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     runner = _build_runner(args, cfg, weights, dtype, device, backend, context_len, spec_width,
-                           num_pages * args.page_size, max_running, spec)
+                           num_pages * args.page_size, max_running, spec, kv_dtype)
     pool = BlockPool(num_pages, args.page_size)
     radix = RadixCache(pool, disabled=args.disable_radix_cache)
-    logger.info("model %s loaded: %s on %s, KV cache %d tokens (%.2f GiB), context %d",
+    logger.info("model %s loaded: %s on %s, KV cache %d tokens (%s, %.2f GiB), context %d",
                 model_path, str(dtype).replace("torch.", ""), device, num_pages * args.page_size,
-                num_pages * args.page_size * kv_bpt / 2**30, context_len)
+                str(kv_dtype).replace("torch.", ""), num_pages * args.page_size * kv_bpt / 2**30, context_len)
     spec_worker = None
     if spec is not None:
         from specserve.speculative.base import ProposerContext, create_spec_worker
@@ -123,12 +124,16 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
 
 
 def _build_runner(args: ServerArgs, cfg: ModelConfig, weights, dtype: torch.dtype, device: str, attention,
-                  context_len: int, spec_width: int, num_kv_slots: int, max_running: int, spec):
+                  context_len: int, spec_width: int, num_kv_slots: int, max_running: int, spec,
+                  kv_dtype: torch.dtype):
     """The model runner ``--backend`` names: torch (``ModelRunner``), or jax (``backends/jax``,
     imported only then: nothing on the torch path imports jax)."""
     max_position, max_row_len = context_len + spec_width + 1, context_len + spec_width + args.page_size
     if args.backend == "jax":
         from specserve.backends.jax.engine_hook import build_jax_runner
+
+        if kv_dtype != dtype:
+            raise ConfigError("--kv-cache-dtype: --backend jax keeps its cache in the model's dtype (use auto)")
 
         return build_jax_runner(args, cfg, weights, dtype=dtype, max_position=max_position,
                                 num_kv_slots=num_kv_slots, max_rows=max_running, max_row_len=max_row_len,
@@ -136,7 +141,8 @@ def _build_runner(args: ServerArgs, cfg: ModelConfig, weights, dtype: torch.dtyp
                                 spec_algorithm=spec.algorithm if spec else None)
     runner = ModelRunner(cfg, weights, dtype=dtype, device=device, max_position=max_position,
                          num_kv_slots=num_kv_slots, page_size=args.page_size, max_rows=max_running,
-                         max_row_len=max_row_len, quantization=args.quantization if device == "cpu" else None)
+                         max_row_len=max_row_len, quantization=args.quantization if device == "cpu" else None,
+                         kv_dtype=kv_dtype)
     runner.model.backend = attention
     logger.info("CPU kernels: %s variant, --quantization %s", skinny.kernel_variant(), args.quantization or "unquant")
     warm_up_packed_linears(runner.model, min(max_running * spec_width, WARM_UP_MAX_ROWS))

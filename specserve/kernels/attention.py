@@ -15,9 +15,10 @@ def is_available() -> bool:
 
 
 def can_run(q: torch.Tensor, k_layer: torch.Tensor) -> bool:
-    """CPU, float32/bfloat16, and no gradient needed through it (training runs torch's path)."""
+    """CPU, float32/bfloat16 queries and cache (not necessarily the same), and no gradient needed
+    through it (training runs torch's path)."""
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k_layer.requires_grad)
-    return (q.device.type == "cpu" and q.dtype == k_layer.dtype and q.dtype in DTYPE_CODES
+    return (q.device.type == "cpu" and q.dtype in DTYPE_CODES and k_layer.dtype in DTYPE_CODES
             and q.shape[-1] % 8 == 0 and not needs_grad and is_available())
 
 
@@ -25,7 +26,7 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
                     query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> torch.Tensor:
     """q [T, nh, hd]; k_layer/v_layer [S, nkv, hd] (contiguous); kv_indices [B, L] int64;
     query_mask [B, Q, L] bool (True = attend); row_batch/row_query [T] int32: the request and
-    query index of each row. Returns [T, nh * hd] in q's dtype."""
+    query index of each row. Returns [T, nh * hd] in q's dtype (the cache may hold another one)."""
     q, kv_indices, query_mask = q.contiguous(), kv_indices.contiguous(), query_mask.contiguous()
     num_rows, num_heads, head_dim = q.shape
     out = q.new_empty(num_rows, num_heads * head_dim)
@@ -33,7 +34,8 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     status = _function()(
         q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), kv_indices.data_ptr(),
         query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), num_rows, num_keys, num_queries,
-        num_heads, k_layer.shape[1], head_dim, DTYPE_CODES[q.dtype], torch.get_num_threads())
+        num_heads, k_layer.shape[1], head_dim, DTYPE_CODES[q.dtype], DTYPE_CODES[k_layer.dtype],
+        torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"paged_attention rejected {num_heads} heads over {k_layer.shape[1]} KV heads "
                            f"of dim {head_dim}")
@@ -42,4 +44,4 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
 
 @functools.cache
 def _function():
-    return build.function("paged_attention", [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8)
+    return build.function("paged_attention", [ctypes.c_void_p] * 8 + [ctypes.c_int] * 9)

@@ -82,12 +82,20 @@ static void rotary(void *qkv, long ld, int first, int count, const void *cos, co
 }
 
 static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *k_layer, void *v_layer,
-                        const int64_t *out_loc, int T, int kv_width, int is_bf16) {
-    const int esize = is_bf16 ? 2 : 4;
+                        const int64_t *out_loc, int T, int kv_width, int is_bf16, int kv_bf16) {
+    const int esize = is_bf16 ? 2 : 4, kv_esize = kv_bf16 ? 2 : 4;
     for (int t = 0; t < T; t++) {
         const char *row = (const char *)qkv + (long)t * ld * esize;
-        memcpy((char *)k_layer + out_loc[t] * kv_width * esize, row + k_off * esize, (size_t)kv_width * esize);
-        memcpy((char *)v_layer + out_loc[t] * kv_width * esize, row + v_off * esize, (size_t)kv_width * esize);
+        char *k = (char *)k_layer + out_loc[t] * kv_width * kv_esize, *v = (char *)v_layer + out_loc[t] * kv_width * kv_esize;
+        if (kv_bf16 == is_bf16) {
+            memcpy(k, row + k_off * esize, (size_t)kv_width * esize);
+            memcpy(v, row + v_off * esize, (size_t)kv_width * esize);
+            continue;
+        }
+        for (int i = 0; i < kv_width; i++) {    /* the cache's dtype differs: round as torch's .to() */
+            set_elem(k, i, get_elem(row, k_off + i, is_bf16), kv_bf16);
+            set_elem(v, i, get_elem(row, v_off + i, is_bf16), kv_bf16);
+        }
     }
 }
 
@@ -117,12 +125,13 @@ static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16) 
 
 /* norms: {ln1, ln2} in the storage dtype; linears: {qkv, o, gate_up, down}; qkv_bias float32 or
    NULL; dims: {H, num_heads, num_kv_heads, head_dim, intermediate}. Attention metadata as in
-   paged_attention. Returns 0, or -1 for shapes it does not take. */
+   paged_attention (kv_dtype: the cache's dtype; new K/V are rounded to it as they are written).
+   Returns 0, or -1 for shapes it does not take. */
 int decoder_layer(void *h, const void *const *norms, const linear_weights *linears, const float *qkv_bias,
                   float eps, const int *dims,
                   const void *cos, const void *sin, void *k_layer, void *v_layer, const int64_t *out_loc,
                   const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
-                  const int32_t *row_query, int T, int L, int Q, int dtype, int nthreads) {
+                  const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
     const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4];
     const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
@@ -137,10 +146,11 @@ int decoder_layer(void *h, const void *const *norms, const linear_weights *linea
     status |= linear_forward(&linears[0], x, qkv_bias, qkv, T, qkv_width, H, dtype, nthreads);
     t = profile_mark(PROF_QKV, t);
     rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
-    write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16);
+    write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16,
+                kv_dtype == DTYPE_BF16);
     t = profile_mark(PROF_ROTARY, t);
     status |= attention_rows(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
-                             T, L, Q, nh, nkv, hd, dtype, nthreads);
+                             T, L, Q, nh, nkv, hd, dtype, kv_dtype, nthreads);
     t = profile_mark(PROF_ATTENTION, t);
     status |= linear_forward(&linears[1], attn, NULL, y, T, H, q_width, dtype, nthreads);
     t = profile_mark(PROF_O, t);
@@ -167,11 +177,11 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
                    float eps, const int *dims, int num_layers, const void *cos, const void *sin, char *k_cache,
                    char *v_cache, long layer_bytes, const int64_t *out_loc, const int64_t *kv_indices,
                    const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, int T, int L, int Q,
-                   int dtype, int nthreads) {
+                   int dtype, int kv_dtype, int nthreads) {
     for (int l = 0; l < num_layers; l++)
         if (decoder_layer(h, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
                           k_cache + l * layer_bytes, v_cache + l * layer_bytes, out_loc, kv_indices, mask,
-                          row_batch, row_query, T, L, Q, dtype, nthreads))
+                          row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads))
             return -1;
     return 0;
 }

@@ -57,7 +57,7 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
         ctypes.addressof(weights.dims), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
         k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
         query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), h.shape[0], num_keys, num_queries,
-        DTYPE_CODES[h.dtype], torch.get_num_threads())
+        DTYPE_CODES[h.dtype], DTYPE_CODES[k_layer.dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"decoder_layer rejected the layer's shapes {list(weights.dims)}")
 
@@ -96,7 +96,7 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         layer_bytes, out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(), query_mask.data_ptr(),
         row_batch.data_ptr(), row_query.data_ptr(), h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype],
-        torch.get_num_threads())
+        DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"decoder_layers rejected the layers' shapes {list(stack.dims)}")
 
@@ -104,13 +104,13 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
 @functools.cache
 def _stack_function():
     return build.function("decoder_layers", [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-                          + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5)
+                          + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6)
 
 
 @functools.cache
 def _function():
     return build.function("decoder_layer", [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 10
-                          + [ctypes.c_int] * 5)
+                          + [ctypes.c_int] * 6)
 
 
 PROFILE_OPS = ("norms + adds", "qkv", "rotary + kv write", "attention", "o_proj", "gate_up", "silu", "down",

@@ -167,6 +167,8 @@ static void score_keys(const float *q, const char *k_base, long slot_stride, con
         const int n = num_keys - l0 < ATT_LANES ? num_keys - l0 : ATT_LANES;
         const char *keys[ATT_LANES];
         for (int i = 0; i < ATT_LANES; i++) keys[i] = k_base + slots[l0 + (i < n ? i : 0)] * slot_stride;
+        for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < num_keys; i++)   /* the next tile's keys */
+            prefetch_row(k_base + slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
         for (int g = 0; g < group; g++)
             v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16, is_bf16), n);
     }
@@ -182,6 +184,9 @@ static inline __attribute__((always_inline)) void weigh_pass(
     for (int g = 0; g < NG; g++)
         for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = v_zero();
     for (int l = 0; l < num_keys; l++) {
+        if (g0 == 0 && l + PREFETCH_KEYS < num_keys)      /* the first pass over the values reads them */
+            prefetch_row(v_base + slots[l + PREFETCH_KEYS] * slot_stride + (long)d0 * esize,
+                         VALUE_CHUNKS * ATT_LANES * esize);
         const char *value = v_base + slots[l] * slot_stride;
         vecf v[VALUE_CHUNKS];
         for (int c = 0; c < VALUE_CHUNKS; c++) v[c] = v_load_row(value, d0 + c * ATT_LANES, head_dim, is_bf16);
@@ -290,19 +295,23 @@ static int allowed_slots(const uint8_t *allowed, const int64_t *kv_row, int L, i
 
 /* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer
    [num_slots, num_kv_heads, head_dim]; kv_indices [B, L] int64; mask [B, Q, L] bool;
-   row_batch/row_query [T] int32; out [T, num_heads * head_dim]. dtype 0 float32,
-   1 bfloat16 (q, K/V and out share it). Returns 0, or -1 for shapes it does not take. */
+   row_batch/row_query [T] int32; out [T, num_heads * head_dim]. dtype (q and out) and kv_dtype
+   (K/V, the cache's `--kv-cache-dtype`): 0 float32, 1 bfloat16. Returns 0, or -1 for shapes it
+   does not take. */
 int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
                    const int64_t *kv_indices, const uint8_t *mask,
                    const int32_t *row_batch, const int32_t *row_query,
                    int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
-                   int dtype, int nthreads) {
+                   int dtype, int kv_dtype, int nthreads) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
-    const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    const int q_bf16 = dtype == DTYPE_BF16, is_bf16 = kv_dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const int hd16 = (head_dim + 15) / 16 * 16;
     const long slot_stride = (long)num_kv_heads * head_dim * esize;
     const float scale = 1.0f / sqrtf((float)head_dim);
+    /* a task: one row's KV heads (its mask read once), or one KV head of a row when rows are
+       too few to share the threads */
+    const int heads_per_task = T >= 2 * nthreads ? num_kv_heads : 1, tasks_per_row = num_kv_heads / heads_per_task;
     #pragma omp parallel num_threads(nthreads)
     {
         const int padded = (L + 7) / 8 * 8;
@@ -311,23 +320,24 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
         float *qf = (float *)calloc((size_t)group * hd16, sizeof(float));
         float *res = (float *)malloc((size_t)group * head_dim * sizeof(float));
         #pragma omp for schedule(static)
-        for (long task = 0; task < (long)T * num_kv_heads; task++) {
-            const int t = (int)(task / num_kv_heads), h = (int)(task % num_kv_heads);
+        for (long task = 0; task < (long)T * tasks_per_row; task++) {
+            const int t = (int)(task / tasks_per_row), h0 = (int)(task % tasks_per_row) * heads_per_task;
             const int b = row_batch[t], j = row_query[t];
-            const uint8_t *allowed = mask + ((long)b * Q + j) * L;
-            const int num_keys = allowed_slots(allowed, kv_indices + (long)b * L, L, slots);
-            const long q_off = (long)t * q_ld + (long)h * group * head_dim;
-            const long out_off = ((long)t * num_heads + (long)h * group) * head_dim;
-            for (int g = 0; g < group; g++)
-                for (int d = 0; d < head_dim; d++)
-                    qf[g * hd16 + d] = get_elem(q, q_off + g * head_dim + d, is_bf16) * scale;
-            if (num_keys == 0)
-                memset(res, 0, (size_t)group * head_dim * sizeof(float));
-            else
-                attend_row(qf, (const char *)k_layer + (long)h * head_dim * esize,
-                           (const char *)v_layer + (long)h * head_dim * esize, slot_stride,
-                           slots, num_keys, group, head_dim, hd16, is_bf16, scores, res);
-            for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, res[i], is_bf16);
+            const int num_keys = allowed_slots(mask + ((long)b * Q + j) * L, kv_indices + (long)b * L, L, slots);
+            for (int h = h0; h < h0 + heads_per_task; h++) {
+                const long q_off = (long)t * q_ld + (long)h * group * head_dim;
+                const long out_off = ((long)t * num_heads + (long)h * group) * head_dim;
+                for (int g = 0; g < group; g++)
+                    for (int d = 0; d < head_dim; d++)
+                        qf[g * hd16 + d] = get_elem(q, q_off + g * head_dim + d, q_bf16) * scale;
+                if (num_keys == 0)
+                    memset(res, 0, (size_t)group * head_dim * sizeof(float));
+                else
+                    attend_row(qf, (const char *)k_layer + (long)h * head_dim * esize,
+                               (const char *)v_layer + (long)h * head_dim * esize, slot_stride,
+                               slots, num_keys, group, head_dim, hd16, is_bf16, scores, res);
+                for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, res[i], q_bf16);
+            }
         }
         free(scores);
         free(slots);
@@ -342,7 +352,7 @@ int paged_attention(const void *q, const void *k_layer, const void *v_layer, voi
                     const int64_t *kv_indices, const uint8_t *mask,
                     const int32_t *row_batch, const int32_t *row_query,
                     int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
-                    int dtype, int nthreads) {
+                    int dtype, int kv_dtype, int nthreads) {
     return attention_rows(q, (long)num_heads * head_dim, k_layer, v_layer, out, kv_indices, mask, row_batch,
-                          row_query, T, L, Q, num_heads, num_kv_heads, head_dim, dtype, nthreads);
+                          row_query, T, L, Q, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, nthreads);
 }

@@ -193,8 +193,8 @@ class TorchSDPABackend:
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, nh, hd]; k, v: [T, nkv, hd] (new tokens). Returns [T, nh * hd]."""
         k_layer, v_layer = cache.k[layer_id], cache.v[layer_id]
-        k_layer.index_copy_(0, meta.out_cache_loc, k)
-        v_layer.index_copy_(0, meta.out_cache_loc, v)
+        k_layer.index_copy_(0, meta.out_cache_loc, k.to(k_layer.dtype))    # --kv-cache-dtype may differ
+        v_layer.index_copy_(0, meta.out_cache_loc, v.to(v_layer.dtype))
         if meta.row_batch is not None and attention_kernel.can_run(q, k_layer):
             return attention_kernel.paged_attention(q, k_layer, v_layer, meta.kv_indices, meta.query_mask,
                                                     meta.row_batch, meta.row_query)
@@ -218,8 +218,8 @@ class TorchSDPABackend:
         # [B, Q, nkv, group, hd] -> [B, nkv, group * Q, hd]
         q = q.view(bsz, max_q, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(bsz, num_kv, group * max_q, head_dim)
-        keys = _gather(k_layer, meta.kv_indices).transpose(1, 2)            # [B, nkv, L, hd]
-        values = _gather(v_layer, meta.kv_indices).transpose(1, 2)
+        keys = _gather(k_layer, meta.kv_indices).transpose(1, 2).to(q.dtype)    # [B, nkv, L, hd]
+        values = _gather(v_layer, meta.kv_indices).transpose(1, 2).to(q.dtype)
         if meta.row_invariant:
             out = row_invariant_attention(q, keys, values, meta.mask)
         else:

@@ -14,6 +14,7 @@ class HeadRunner(ModelRunner):
         cfg = head.config
         param = next(head.parameters())
         self.config, self.dtype, self.device = cfg, param.dtype, param.device
+        self.kv_dtype = self.dtype
         self.model = head
         self._init_slots(num_kv_slots, 1, max_rows, max_row_len)
 

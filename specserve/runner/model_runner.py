@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype``: auto = the model's dtype; bf16/bfloat16."""
+    return torch.bfloat16 if kv_cache_dtype in ("bf16", "bfloat16") else dtype
+
+
 def resolve_dtype(dtype: str, model_config: ModelConfig, device: str) -> torch.dtype:
     """``auto``: float32 on CPU; on CUDA the checkpoint's float16, else bfloat16.
 
@@ -50,18 +55,20 @@ class ExtendSpec:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                  *, dtype: torch.dtype, device: str, max_position: int, num_kv_slots: int,
-                 page_size: int, max_rows: int, max_row_len: int, quantization: str | None = None) -> None:
+                 page_size: int, max_rows: int, max_row_len: int, quantization: str | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.config, self.dtype, self.device = model_config, dtype, torch.device(device)
+        self.kv_dtype = kv_dtype or dtype
         self.model = build_model(model_config, weights, dtype, device, max_position, quantization)
         self._init_slots(num_kv_slots, page_size, max_rows, max_row_len)
 
     def _init_slots(self, num_kv_slots: int, page_size: int, max_rows: int, max_row_len: int) -> None:
         """KV tensors (plus one zeroed dummy page at the end, for padded reads) and the
-        request->slot table, for ``self.config`` in ``self.dtype`` on ``self.device``."""
+        request->slot table, for ``self.config`` in ``self.kv_dtype`` on ``self.device``."""
         cfg = self.config
         self.dummy_slot = num_kv_slots
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_slots + page_size,
-                                cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                                cfg.num_key_value_heads, cfg.head_dim, self.kv_dtype, self.device,
                                 num_zeroed_tail=page_size)
         self.req_to_token = torch.full((max_rows, max_row_len), self.dummy_slot,
                                        dtype=torch.int64, device=self.device)

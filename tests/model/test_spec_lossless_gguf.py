@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.engine import Engine
 from specserve.kernels import int_codes
@@ -95,3 +96,25 @@ def test_target_as_draft_accepts_every_drafted_token(engines, prompt_ids, algo):
     drafted = engine.engine.get_server_info()["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = sum(o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1) for o in ours)
     assert drafted > 0 and round(accepted) == drafted
+
+
+def test_greedy_lossless_with_a_bfloat16_kv_cache(default_gguf_path, prompt_ids):
+    """``--kv-cache-dtype bf16``: the cache holds bfloat16, and speculation (every step) still
+    gives plain decoding's tokens on the same cache dtype."""
+    kw = {**ENGINE_KW, "kv_cache_dtype": "bf16"}
+    plain = Engine(model_path=default_gguf_path, **kw)
+    old = os.environ.get("SPECSERVE_SPEC_POLICY")
+    os.environ["SPECSERVE_SPEC_POLICY"] = "always"
+    try:
+        ngram = Engine(model_path=default_gguf_path, **kw, **SPECS["NGRAM"])
+    finally:
+        if old is None:
+            os.environ.pop("SPECSERVE_SPEC_POLICY")
+        else:
+            os.environ["SPECSERVE_SPEC_POLICY"] = old
+    assert plain.engine.runner.kv_cache.k.dtype == torch.bfloat16
+    params = [{"temperature": 0, "max_new_tokens": 24} for _ in prompt_ids]
+    ours = ngram.generate(input_ids=prompt_ids, sampling_params=params)
+    reference = plain.generate(input_ids=prompt_ids, sampling_params=params)
+    assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in reference]
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in ours) > 0
