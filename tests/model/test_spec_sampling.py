@@ -184,12 +184,14 @@ def test_greedy_equals_plain_under_batching(tiny_dirs, kind, page_size, chunk):
 
 def _with_preemption(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     """All requests at once; one is aborted, and three decoding requests are retracted
-    (preempted: KV freed, recomputed later) at fixed steps."""
+    (preempted: KV freed, recomputed later): at the first step from 9, 15 and 23 on where the
+    last running request is decoding (how prefill chunks interleave moves that step)."""
     core = engine.engine
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     rids = [core.add_request(None, ids, params) for ids in prompts]
     outputs: dict[str, list[int]] = {rid: [] for rid in rids}
     step = num_retracted = 0
+    retract_from = [9, 15, 23]
     while core.has_unfinished():
         for out in core.step():
             outputs[out.rid].extend(out.new_token_ids)
@@ -197,8 +199,10 @@ def _with_preemption(engine: Engine, prompts: list[list[int]]) -> list[list[int]
         if step == 5:
             core.abort_request(rids[3])
         victim = core.scheduler.running[-1] if len(core.scheduler.running) > 1 else None
-        if step in (9, 15, 23) and victim is not None and victim.num_computed == victim.seq_len - 1:
+        if (retract_from and step >= retract_from[0] and victim is not None
+                and victim.num_computed == victim.seq_len - 1):
             core.scheduler.retract(victim)
+            retract_from.pop(0)
             num_retracted += 1
     assert num_retracted == 3
     usage = core.kv_usage()
