@@ -111,13 +111,6 @@ def _trust_remote_code(args: "ServerArgs") -> str | None:
             "(Llama, Mistral, Qwen2, Qwen3, SmolLM and their EAGLE/EAGLE3/MTP drafts)")
 
 
-def _stream_interval(args: "ServerArgs") -> str | None:
-    if args.stream_interval == 1:
-        return None
-    return (f"--stream-interval {args.stream_interval}: not applied, streams send each step's tokens as "
-            f"they come")
-
-
 def _spec_v2(args: "ServerArgs") -> str | None:
     value = os.environ.get("SGLANG_ENABLE_SPEC_V2")
     if value is None:
@@ -137,7 +130,7 @@ def _ngram_greedy(args: "ServerArgs") -> str | None:
 NOTES: tuple[Callable[["ServerArgs"], str | None], ...] = (
     _cuda_graph_max_bs, _disable_cuda_graph, _torch_compile, _overlap, _data_parallel, _quantization,
     _draft_quantization, _attention, _moe, _multi_layer_eagle, _attention_mode, _trust_remote_code,
-    _stream_interval, _spec_v2, _ngram_greedy)
+    _spec_v2, _ngram_greedy)
 
 
 def startup_notes(args: "ServerArgs") -> list[str]:

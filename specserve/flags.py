@@ -100,8 +100,9 @@ FLAG_DOCS: dict[str, FlagDoc] = {
     "api_key": _serving("Require this key as 'Authorization: Bearer KEY' on every request."),
     "random_seed": _serving("Seed for torch's generator at startup (sampling with a per-request seed is "
                             "reproducible either way)."),
-    "stream_interval": _serving("Tokens between streamed chunks, as in SGLang; this build streams every "
-                                "step's tokens as they come, so values above 1 are logged as not applied."),
+    "stream_interval": _serving("Tokens per streamed chunk, as in SGLang: a stream's tokens go out every N "
+                                "tokens (its first and last at once). Larger values cost less CPU per token "
+                                "(on a CPU whose cores all run the model, that is decode speed)."),
     # ---- memory and scheduling ---------------------------------------------------------------
     "mem_fraction_static": _memory("Share of device memory (CPU: RAM) for weights + KV cache, in (0, 1). "
                                    "Default 0.3 on CPU, 0.88 on CUDA. Startup fails with a clear error "

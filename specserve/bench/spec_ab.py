@@ -30,6 +30,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1, help="requests in flight per group")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, choices=("unquant", "gguf"),
+                   help="both engines' linear path (gguf: the integer kernels)")
     p.add_argument("--model-path", default=None)
     p.add_argument("--cpu-time", action="store_true", help="time with process CPU time")
     return p.parse_args()
@@ -50,7 +52,7 @@ def main() -> None:
 
     args = _args()
     kw = dict(model_path=args.model_path, dtype=args.dtype, max_total_tokens=16384, context_length=2048,
-              max_running_requests=max(16, args.batch_size))
+              max_running_requests=max(16, args.batch_size), quantization=args.quantization)
     plain, spec = Engine(**kw), Engine(**kw, **json.loads(args.spec))
     tok = plain.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in _texts(args)]

@@ -18,6 +18,7 @@ import zmq
 
 from specserve.config import ConfigError, ServerArgs
 from specserve.server import ipc
+from specserve.server.stream_batching import StreamBatcher
 
 logger = logging.getLogger("specserve.model")
 IDLE_POLL_MS = 1000          # how often an idle loop checks that its front is still there
@@ -81,6 +82,7 @@ class ModelLoop:
         self.outbox = outbox
         self.front_pid = front_pid
         self.is_stopping = False
+        self.batcher = StreamBatcher(engine.server_args.stream_interval)
 
     def run(self) -> None:
         while not self.is_stopping:
@@ -111,6 +113,7 @@ class ModelLoop:
         elif isinstance(message, ipc.Abort):
             for rid in message.rids:
                 self.engine.abort_request(rid)
+                self.batcher.forget(rid)
         elif isinstance(message, ipc.Query):
             self._answer(message)
         elif isinstance(message, ipc.Shutdown):
@@ -149,6 +152,7 @@ class ModelLoop:
         except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
             self._fail_running(exc)
             return
+        outputs = self.batcher.take(outputs)
         if outputs:
             self._send(ipc.Outputs(outputs))
 

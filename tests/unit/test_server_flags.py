@@ -52,7 +52,7 @@ def test_every_inapplicable_flag_given_logs_one_line():
     for flag in ("--cuda-graph-max-bs", "--enable-torch-compile", "--disable-overlap-schedule", "--dp-size",
                  "--quantization", "--speculative-draft-model-quantization", "--speculative-draft-attention-backend",
                  "--speculative-moe-runner-backend", "--enable-multi-layer-eagle", "--speculative-attention-mode",
-                 "--trust-remote-code", "--stream-interval", "--disable-cuda-graph", "--attention-backend"):
+                 "--trust-remote-code", "--disable-cuda-graph", "--attention-backend"):
         assert sum(flag + " " in line or line.startswith(flag + ":") for line in notes) >= 1, flag
     assert startup_notes(ServerArgs()) == []                    # defaults say nothing
     # applied here, so nothing to say: gguf runs the integer kernels, unquant keeps the draft exact
