@@ -420,7 +420,7 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     prompt_ids = encode_chat(state, body)
     sampling = validated(state, body.to_sampling_params(remaining_context(state, [prompt_ids])))
-    group = await state.async_engine.submit([prompt_ids], sampling, body.rid)
+    group = await state.async_engine.submit([prompt_ids], sampling, body.rid, stream=bool(body.stream))
     choices = new_choices([prompt_ids], sampling.n)
     response_id = completion_id("chatcmpl")
     model = response_model_name(state, body.model)
@@ -480,7 +480,7 @@ async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     prompts = encode_prompts(state, body.prompt_batch(), "prompt")
     sampling = validated(state, body.to_sampling_params(remaining_context(state, prompts)))
-    group = await state.async_engine.submit(prompts, sampling, body.rid)
+    group = await state.async_engine.submit(prompts, sampling, body.rid, stream=bool(body.stream))
     choices = new_choices(prompts, sampling.n)
     response_id = completion_id("cmpl")
     model = response_model_name(state, body.model)
@@ -538,7 +538,7 @@ async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
     prompts = encode_prompts(state, body.prompt_batch(), "text" if body.text is not None else "input_ids")
     sampling = validated(state, body.to_sampling_params(remaining_context(state, prompts)))
-    group = await state.async_engine.submit(prompts, sampling, body.rid)
+    group = await state.async_engine.submit(prompts, sampling, body.rid, stream=bool(body.stream))
     choices = new_choices(prompts, sampling.n)
     is_list = body.is_batch or sampling.n > 1
     if body.stream:

@@ -248,8 +248,9 @@ class AsyncEngine:
             self._thread = None
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams,
-                     rid: str | None = None) -> RequestGroup:
-        """Add ``len(prompts) * sampling.n`` sub-requests; raises ValueError if the engine rejects any."""
+                     rid: str | None = None, stream: bool = True) -> RequestGroup:
+        """Add ``len(prompts) * sampling.n`` sub-requests; raises ValueError if the engine rejects any.
+        ``stream`` is EngineClient's hint; this in-thread engine delivers every step either way."""
         self.start()
         loop = asyncio.get_running_loop()
         subs = expand_sub_requests(prompts, sampling, rid or uuid.uuid4().hex)

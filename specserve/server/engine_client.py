@@ -141,8 +141,9 @@ class EngineClient:
         return len(self._streams)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams,
-                     rid: str | None = None) -> RequestGroup:
-        """Add ``len(prompts) * sampling.n`` sub-requests; ValueError if the engine rejects any."""
+                     rid: str | None = None, stream: bool = True) -> RequestGroup:
+        """Add ``len(prompts) * sampling.n`` sub-requests; ValueError if the engine rejects any.
+        ``stream=False``: the model process sends the first token and then only the end."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         subs = expand_sub_requests(prompts, sampling, rid or uuid.uuid4().hex)
@@ -152,7 +153,7 @@ class EngineClient:
         group = RequestGroup(self._abort, rids, loop)
         for sub in subs:
             self._streams[sub.rid] = self._new_stream(group, sub.index, sub.sampling)
-        accepted = self._ask(ipc.AddRequests, [ipc.AddRequest(s.rid, s.input_ids, s.sampling) for s in subs],
+        accepted = self._ask(ipc.AddRequests, [ipc.AddRequest(s.rid, s.input_ids, s.sampling, stream) for s in subs],
                              rids=rids)
         return await accepted_group(group, accepted)
 

@@ -22,6 +22,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    stream: bool = True        # False: the front wants the first token and the end, not each step
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

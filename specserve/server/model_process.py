@@ -125,6 +125,8 @@ class ModelLoop:
             for request in message.requests:
                 self.engine.add_request(request.rid, request.input_ids, request.sampling)
                 added.append(request.rid)
+                if not request.stream:
+                    self.batcher.hold_until_finished(request.rid)
         except Exception as exc:  # noqa: BLE001 - reported to the front
             for rid in added:
                 self.engine.abort_request(rid)

@@ -35,3 +35,14 @@ def test_requests_are_held_apart_and_an_abort_drops_what_is_held():
     batcher.forget("a")
     out = batcher.take([_step("a", [3], finished=True), _step("b", [11, 12, 13])])
     assert [(o.rid, o.new_token_ids) for o in out] == [("a", [3]), ("b", [10, 11, 12, 13])]
+
+
+def test_a_request_not_streamed_sends_its_first_token_then_only_its_end():
+    batcher = StreamBatcher(1)
+    batcher.hold_until_finished("a")
+    sent = []
+    for i, tokens in enumerate([[1], [2], [3, 4], [5]]):
+        sent += batcher.take([_step("a", tokens, finished=i == 3), _step("b", [10 + i])])
+    assert [(o.rid, o.new_token_ids) for o in sent if o.rid == "a"] == [("a", [1]), ("a", [2, 3, 4, 5])]
+    assert [o.new_token_ids for o in sent if o.rid == "b"] == [[10], [11], [12], [13]]
+    assert sent[-2].finished
