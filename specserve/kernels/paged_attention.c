@@ -34,18 +34,20 @@ typedef __m512 vecf;
 static inline vecf v_zero(void) { return _mm512_setzero_ps(); }
 static inline vecf v_set1(float x) { return _mm512_set1_ps(x); }
 static inline vecf v_fma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+/* the lanes of chunk d .. d + 15 that lie inside head_dim */
+static inline __mmask16 chunk_mask(int d, int head_dim) {
+    const int n = head_dim - d;
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1);
+}
 /* elements d .. d + 15 of a K/V row (float32 or bfloat16), zeros past head_dim */
 static inline vecf v_load_row(const char *row, int d, int head_dim, int is_bf16) {
-    const int n = head_dim - d;
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1);
+    const __mmask16 m = chunk_mask(d, head_dim);
     if (is_bf16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 2 * (long)d)), 16));
     return _mm512_maskz_loadu_ps(m, (const float *)row + d);
 }
-static inline void v_store_part(float *out, vecf v, int n) {
-    _mm512_mask_storeu_ps(out, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1), v);
-}
+static inline void v_store_part(float *out, vecf v, int n) { _mm512_mask_storeu_ps(out, chunk_mask(0, n), v); }
 #else
 #define ATT_LANES 8
 #define HEADS_PER_PASS 2
@@ -74,17 +76,6 @@ static inline void prefetch_row(const char *p, int bytes) {
 }
 
 #if ATT_LANES == 16
-/* the lanes of chunk d .. d + 15 that lie inside head_dim */
-static inline __mmask16 chunk_mask(int d, int head_dim) {
-    const int n = head_dim - d;
-    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1);
-}
-static inline __m512 load_chunk(const char *row, int d, __mmask16 m, int is_bf16) {
-    if (is_bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 2 * (long)d)), 16));
-    return _mm512_maskz_loadu_ps(m, (const float *)row + d);
-}
 /* 16 keys' partial sums p_i -> their 16 scores in key order, each by the fixed tree */
 static inline __m512 reduce_tile(const __m512 *p) {
     __m512 z[8], w[4], v[2];
@@ -108,16 +99,13 @@ static inline __attribute__((always_inline)) __m512 score_tile_dtype(
     __m512 p[16];
     _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) {
         const char *key = keys[k];
-        p[k] = _mm512_mul_ps(_mm512_loadu_ps(q), load_chunk(key, 0, chunk_mask(0, head_dim), is_bf16));
+        p[k] = _mm512_mul_ps(_mm512_loadu_ps(q), v_load_row(key, 0, head_dim, is_bf16));
         _Pragma("GCC unroll 8") for (int d = 16; d < HD16; d += 16)
-            p[k] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_chunk(key, d, chunk_mask(d, head_dim), is_bf16), p[k]);
+            p[k] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), v_load_row(key, d, head_dim, is_bf16), p[k]);
     }
     return reduce_tile(p);
 }
 #else
-static inline __m256 load_chunk(const char *row, int d, int head_dim, int is_bf16) {
-    return d < head_dim ? load8(row + (long)d * (is_bf16 ? 2 : 4), is_bf16) : _mm256_setzero_ps();
-}
 /* 8 keys' r_i = p_i + p_(i+8) -> their 8 scores in key order, by the same tree as the AVX-512 variant */
 static inline __m256 reduce_tile(const __m256 *r) {
     __m256 s[4], t[2];
@@ -137,11 +125,11 @@ static inline __attribute__((always_inline)) __m256 score_tile_dtype(
     __m256 r[8];
     _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
         const char *key = keys[k];
-        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), load_chunk(key, 0, head_dim, is_bf16));
-        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), load_chunk(key, 8, head_dim, is_bf16));
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), v_load_row(key, 0, head_dim, is_bf16));
+        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), v_load_row(key, 8, head_dim, is_bf16));
         _Pragma("GCC unroll 8") for (int d = 16; d < HD16; d += 16) {
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_chunk(key, d, head_dim, is_bf16), lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load_chunk(key, d + 8, head_dim, is_bf16), hi);
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), v_load_row(key, d, head_dim, is_bf16), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), v_load_row(key, d + 8, head_dim, is_bf16), hi);
         }
         r[k] = _mm256_add_ps(lo, hi);
     }
