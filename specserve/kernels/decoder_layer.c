@@ -169,19 +169,23 @@ int decoder_layer(void *h, const void *const *norms, const linear_weights *linea
     return status ? -1 : 0;
 }
 
-/* Every layer of a model in one call (decode-shaped forwards, no layer outputs captured): layer l
-   takes norms[2l..2l+1], linears[4l..4l+3], qkv_biases[l] (NULL: none) and its K/V at
-   k_cache/v_cache + l * layer_bytes; the rest as in decoder_layer. Saves a Python call, its
-   checks and its argument conversions per layer. */
+/* Every layer of a model in one call (decode-shaped forwards): layer l takes norms[2l..2l+1],
+   linears[4l..4l+3], qkv_biases[l] (NULL: none) and its K/V at k_cache/v_cache + l * layer_bytes;
+   aux_out (NULL, or num_layers pointers): where aux_out[l] is set, layer l's input h [T, H] is
+   copied there first (EAGLE-3's captured features); the rest as in decoder_layer. Saves a Python
+   call, its checks and its argument conversions per layer. */
 int decoder_layers(void *h, const void *const *norms, const linear_weights *linears, const float *const *qkv_biases,
                    float eps, const int *dims, int num_layers, const void *cos, const void *sin, char *k_cache,
                    char *v_cache, long layer_bytes, const int64_t *out_loc, const int64_t *kv_indices,
-                   const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, int T, int L, int Q,
-                   int dtype, int kv_dtype, int nthreads) {
-    for (int l = 0; l < num_layers; l++)
+                   const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, void *const *aux_out,
+                   int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+    const size_t h_bytes = (size_t)T * dims[0] * (dtype == DTYPE_BF16 ? 2 : 4);
+    for (int l = 0; l < num_layers; l++) {
+        if (aux_out && aux_out[l]) memcpy(aux_out[l], h, h_bytes);
         if (decoder_layer(h, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
                           k_cache + l * layer_bytes, v_cache + l * layer_bytes, out_loc, kv_indices, mask,
                           row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads))
             return -1;
+    }
     return 0;
 }

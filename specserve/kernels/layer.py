@@ -84,27 +84,35 @@ def layer_stack(layers: tuple[LayerWeights, ...]) -> LayerStack:
 
 def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor,
-                   query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> None:
+                   query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor,
+                   capture: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """``decoder_layer`` for every layer of the stack in turn; k_cache/v_cache [layers, S, kv heads,
-    head_dim] contiguous."""
+    head_dim] contiguous. Returns the inputs of the layers in ``capture`` (ascending), copies of h."""
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
     layer_bytes = k_cache[0].numel() * k_cache.element_size()
+    captured = [torch.empty_like(h) for _ in capture]
+    aux_out = None
+    if capture:
+        aux_out = (ctypes.c_void_p * len(stack.layers))()
+        for layer_id, out in zip(capture, captured):
+            aux_out[layer_id] = out.data_ptr()
     status = _stack_function()(
         h.data_ptr(), ctypes.addressof(stack.norms), ctypes.addressof(stack.linears),
         ctypes.addressof(stack.qkv_biases), stack.eps, ctypes.addressof(stack.dims), len(stack.layers),
         cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         layer_bytes, out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(), query_mask.data_ptr(),
-        row_batch.data_ptr(), row_query.data_ptr(), h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype],
-        DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
+        row_batch.data_ptr(), row_query.data_ptr(), aux_out, h.shape[0], num_keys, num_queries,
+        DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"decoder_layers rejected the layers' shapes {list(stack.dims)}")
+    return captured
 
 
 @functools.cache
 def _stack_function():
     return build.function("decoder_layers", [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-                          + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6)
+                          + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6)
 
 
 @functools.cache

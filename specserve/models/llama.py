@@ -146,10 +146,13 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)                              # [T, H]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
         aux: list[torch.Tensor] = []
-        if not self.aux_layer_ids and self._runs_stack_native(h.shape[0], meta):
-            native_layer.decoder_layers(h, self._layer_stack(), cos, sin, cache.k, cache.v, meta.out_cache_loc,
-                                        meta.kv_indices, meta.query_mask, meta.row_batch, meta.row_query)
-            return self.model.norm(h)
+        if self._runs_stack_native(h.shape[0], meta):
+            capture = tuple(i for i in range(len(self.model.layers)) if i in self.aux_layer_ids)
+            aux = native_layer.decoder_layers(h, self._layer_stack(), cos, sin, cache.k, cache.v,
+                                              meta.out_cache_loc, meta.kv_indices, meta.query_mask,
+                                              meta.row_batch, meta.row_query, capture)
+            h = self.model.norm(h)
+            return (h, aux) if self.aux_layer_ids else h
         for i, layer in enumerate(self.model.layers):
             is_native = (meta.row_batch is not None and layer.can_run_native(h.shape[0])  # kernels built
                          and (meta.row_invariant or layer.is_integer()))      # decode-shaped, or integer

@@ -105,3 +105,39 @@ def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
     node2, _ = _run(layer, h[2:], [41], [1], [prefix + [300, 302]], [302], cache=plain_cache)
     assert torch.equal(verify[:1], root)
     assert torch.equal(verify[2:], node2)
+
+
+def test_the_native_stack_captures_eagle3_layer_inputs_as_the_layer_path_does():
+    """EAGLE-3's captured layer inputs come out of the one-call native stack with the bits the
+    layer-by-layer path gives (the hidden states too)."""
+    from specserve.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    model.init_rotary(256, "cpu")
+    pack_linears_for_cpu(model)
+    model.eval().aux_layer_ids = (0, 2)
+    slot_rows = [list(range(0, 12)), list(range(40, 45))]
+    new_slots = [11, 43, 44]
+    kv_indices = torch.full((2, 100), PAD_SLOT, dtype=torch.int64)
+    for b, slots in enumerate(slot_rows):
+        kv_indices[b, :len(slots)] = torch.tensor(slots)
+    meta = build_metadata([11, 3], [1, 2], kv_indices, torch.tensor(new_slots), num_kv_groups=3, pad_slot=PAD_SLOT)
+    ids, positions = torch.tensor([5, 7, 9]), torch.tensor([11, 3, 4])
+    runs = []
+    for stack in (True, False):
+        cache = KVCache(3, PAD_SLOT + 1, 2, 16, torch.float32, "cpu")
+        torch.manual_seed(1)
+        cache.k[:, :PAD_SLOT], cache.v[:, :PAD_SLOT] = torch.randn(2, 3, PAD_SLOT, 2, 16)
+        if not stack:
+            model._runs_stack_native = lambda *args: False
+        with torch.inference_mode():
+            assert LlamaForCausalLM._runs_stack_native(model, 3, meta)    # the stack can run: unpatched, it does
+            runs.append(model(ids, positions, cache, meta))
+    (h_stack, aux_stack), (h_layers, aux_layers) = runs
+    assert torch.equal(h_stack, h_layers)
+    assert len(aux_stack) == 2 and all(torch.equal(a, b) for a, b in zip(aux_stack, aux_layers))
