@@ -134,7 +134,6 @@ def _build_runner(args: ServerArgs, cfg: ModelConfig, weights, dtype: torch.dtyp
 
         if kv_dtype != dtype:
             raise ConfigError("--kv-cache-dtype: --backend jax keeps its cache in the model's dtype (use auto)")
-
         return build_jax_runner(args, cfg, weights, dtype=dtype, max_position=max_position,
                                 num_kv_slots=num_kv_slots, max_rows=max_running, max_row_len=max_row_len,
                                 chunk_size=_chunk_size(args, device), spec_width=spec_width,

@@ -86,7 +86,8 @@ static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *
     const int esize = is_bf16 ? 2 : 4, kv_esize = kv_bf16 ? 2 : 4;
     for (int t = 0; t < T; t++) {
         const char *row = (const char *)qkv + (long)t * ld * esize;
-        char *k = (char *)k_layer + out_loc[t] * kv_width * kv_esize, *v = (char *)v_layer + out_loc[t] * kv_width * kv_esize;
+        char *k = (char *)k_layer + out_loc[t] * kv_width * kv_esize;
+        char *v = (char *)v_layer + out_loc[t] * kv_width * kv_esize;
         if (kv_bf16 == is_bf16) {
             memcpy(k, row + k_off * esize, (size_t)kv_width * esize);
             memcpy(v, row + v_off * esize, (size_t)kv_width * esize);
