@@ -4,6 +4,7 @@ model that cannot start is one ``error:`` line with exit status 2."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -41,10 +42,16 @@ class Server:
 
 @pytest.fixture()
 def server(tmp_path: Path, default_gguf_path: str) -> Iterator[Server]:
+    with _served(tmp_path, default_gguf_path) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _served(tmp_path: Path, model_path: str, *extra_args: str) -> Iterator[Server]:
     port = free_port()
     command = [sys.executable, "-m", "specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning", "--model-path", default_gguf_path, "--context-length", "1024",
-               "--speculative-algorithm", "NGRAM"]
+               "--log-level", "warning", "--model-path", model_path, "--context-length", "1024",
+               "--speculative-algorithm", "NGRAM", *extra_args]
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -133,3 +140,20 @@ def test_a_model_that_cannot_start_is_one_error_line_and_exit_2(tmp_path: Path) 
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and str(missing) in error_lines[0]
+
+
+def test_stream_interval_sends_tokens_in_groups_with_the_same_text(tmp_path: Path, default_gguf_path: str) -> None:
+    """``--stream-interval 3``: each SSE chunk after the first carries up to 3 tokens, and the
+    streamed text is the text served without streaming."""
+    with _served(tmp_path, default_gguf_path, "--stream-interval", "3") as running:
+        for prompt in PROMPTS[:2]:
+            body = {"prompt": prompt, "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+            whole = httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).json()
+            pieces = []
+            with httpx.stream("POST", running.base_url + "/v1/completions", json={**body, "stream": True},
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+            assert "".join(pieces) == whole["choices"][0]["text"]
+            assert 2 <= len(pieces) <= 1 + -(-(MAX_NEW_TOKENS - 1) // 3)     # the first token, then groups
