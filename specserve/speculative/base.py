@@ -71,10 +71,14 @@ class Proposer:
     ``catches_up_lazily``: the proposer reads what it missed from the request itself the
     next time it proposes, so a step where nobody speculates can be the engine's plain
     decode step, without the verify bookkeeping (what keeps a busy server at plain speed).
+    ``follows_plain_steps``: such a step can be the plain decode step for this proposer too;
+    it then gets ``on_accepted`` with root-only trees and results, as a verify of those
+    would give it (EAGLE heads read the step's target features there).
     """
 
     is_cheap = False
     catches_up_lazily = False
+    follows_plain_steps = False
 
     def __init__(self, ctx: ProposerContext) -> None:
         self.ctx, self.params = ctx, ctx.params
@@ -184,8 +188,11 @@ class SpecWorker:
         start = time.perf_counter()
         trees = self._plan(engine, items)
         self._count_steps(items, trees)
-        if self.proposer.catches_up_lazily and all(tree.is_root_only for tree in trees):
+        proposer = self.proposer
+        if (proposer.catches_up_lazily or proposer.follows_plain_steps) and all(t.is_root_only for t in trees):
             out = self._plain_step(engine, items, trees)
+            if not proposer.catches_up_lazily:
+                proposer.on_accepted(engine, items, trees, [AcceptResult([0], -1) for _ in items])
             self.policy.observe_step([1] * len(items), time.perf_counter() - start)
             return out
         logits = tv.verify_forward(engine, items, trees)

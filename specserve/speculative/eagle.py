@@ -39,6 +39,7 @@ from specserve.speculative.tree import DraftTree, truncate_tree
 
 class EagleProposer(MirroredDraftProposer):
     cost_budget_s = 0.3
+    follows_plain_steps = True       # a step nobody drafts in: the features come through on_accepted
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)

@@ -97,3 +97,25 @@ def test_unloadable_draft_falls_back_to_plain_decoding(tiny, tmp_path):
     assert engine.engine.spec_worker is None
     prompts = _random_prompts(3, seed=5)
     assert _staggered(engine, prompts) == _staggered(_engine(tiny["target"]), prompts)
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "NEXTN"])
+def test_greedy_equals_plain_when_every_other_step_decodes_plainly(tiny, algo):
+    """Steps where nobody drafts run as the engine's plain decode step; the head still gets
+    their target features (``on_accepted`` with root-only trees), so later drafts continue from
+    the right entries and greedy output equals plain decoding."""
+    prompts = _random_prompts(6, seed=3)
+    model, kwargs = _spec(tiny, algo, "tree")
+    plain = _staggered(_engine(model), prompts)
+    spec_engine = _engine(model, **kwargs)
+    worker = spec_engine.engine.spec_worker
+    select, calls = worker.policy.select, [0]
+
+    def every_other_step(states, caps, depth_caps):
+        calls[0] += 1
+        return [1] * len(caps) if calls[0] % 2 else select(states, caps, depth_caps)
+
+    worker.policy.select = every_other_step
+    assert _staggered(spec_engine, prompts) == plain
+    assert worker.num_plain_steps > 0 and worker.num_drafted_steps > 0
+    assert spec_engine.engine.stats.spec_verify_ct > 0
