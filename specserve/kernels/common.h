@@ -72,48 +72,59 @@ static inline void store8(void *p, __m256 v, int is_bf16) {
     const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to8(v, 1)), 16);
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
 }
+/* exp's constants, shared by exp8 and exp16 so that the two give the same bits: the clamp,
+   log2(e), ln(2) in two parts (Cephes range reduction) and the degree-5 polynomial */
+#define EXP_MAX 88.3762626647949f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500E-4f
+#define EXP_P1 1.3981999507E-3f
+#define EXP_P2 8.3334519073E-3f
+#define EXP_P3 4.1665795894E-2f
+#define EXP_P4 1.6666665459E-1f
+#define EXP_P5 5.0000001201E-1f
 /* exp on 8 lanes (Cephes-style range reduction + degree-5 polynomial, ~1 ulp);
    exp(-inf) = 0. The same code for every lane, so a value's exp never depends on its
    neighbours. */
 static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 hi = _mm256_set1_ps(EXP_MAX), lo = _mm256_set1_ps(-EXP_MAX);
     __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, c1, x);
-    x = _mm256_fnmadd_ps(fx, c2, x);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2_HI), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2_LO), x);
     __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 y = _mm256_set1_ps(EXP_P0);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_P5));
     y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     return _mm256_andnot_ps(is_tiny, y);
 }
 #ifdef __AVX512F__
-/* exp8 on 16 lanes: the same operations lane by lane, so the same bits */
+/* exp8 on 16 lanes: the same operations and constants lane by lane, so the same bits (the
+   attention's softmax: half the instructions of two exp8 calls) */
 static inline __m512 exp16(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+    const __m512 hi = _mm512_set1_ps(EXP_MAX), lo = _mm512_set1_ps(-EXP_MAX);
     const __mmask16 is_tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, c1, x);
-    x = _mm512_fnmadd_ps(fx, c2, x);
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_HI), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2_LO), x);
     __m512 z = _mm512_mul_ps(x, x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 y = _mm512_set1_ps(EXP_P0);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_P5));
     y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));

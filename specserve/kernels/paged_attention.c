@@ -196,15 +196,16 @@ static inline __attribute__((always_inline)) void weigh_values_dims(
     for (int d0 = 0; d0 < head_dim; d0 += VALUE_CHUNKS * ATT_LANES)
         for (int g0 = 0; g0 < group; g0 += HEADS_PER_PASS) {
             const int ng = group - g0 < HEADS_PER_PASS ? group - g0 : HEADS_PER_PASS;
+#define WEIGH_HEADS(NG) weigh_pass(w, padded, g0, NG, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out)
             switch (ng) {   /* constant head counts keep the accumulators in registers */
-            case 1: weigh_pass(w, padded, g0, 1, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out); break;
+            case 1: WEIGH_HEADS(1); break;
 #if HEADS_PER_PASS > 2
-            case 2: weigh_pass(w, padded, g0, 2, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out); break;
-            case 3: weigh_pass(w, padded, g0, 3, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out); break;
+            case 2: WEIGH_HEADS(2); break;
+            case 3: WEIGH_HEADS(3); break;
 #endif
-            default: weigh_pass(w, padded, g0, HEADS_PER_PASS, v_base, slot_stride, slots, num_keys, d0, head_dim,
-                                is_bf16, out);
+            default: WEIGH_HEADS(HEADS_PER_PASS);
             }
+#undef WEIGH_HEADS
         }
 }
 
