@@ -7,11 +7,11 @@ time to first token and inter-token latency (median, p99), end-to-end tokens/s p
 Batch 1 also runs without streaming. In the same run and on the same prompt ids, one after the
 other (never at the same time): the offline Engine at batch 1 (before and after the HTTP phase;
 ratios take the mean of both, so a machine whose speed drifts over minutes hits both sides
-alike), llama.cpp at batch 1 when
-``llama-cpp-python`` is installed, and the prefill forward of 128-token prompts beside the
-server's time to first token for them. Each configuration gets a fresh server. ``--soak-duration`` adds a long run with clients that
-hang up mid-stream, then checks the server: no 5xx, every completed greedy output identical
-to the prompt served alone, no KV held and no request running afterwards.
+alike), llama.cpp at batch 1 when ``llama-cpp-python`` is installed, and the prefill forward of
+128-token prompts beside the server's time to first token for them. Each configuration gets a
+fresh server. ``--soak-duration`` adds a long run with clients that hang up mid-stream, then
+checks the server: no 5xx, every completed greedy output identical to the prompt served alone,
+no KV held and no request running afterwards.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from specserve.bench import http_client as hc
 from specserve.bench import prompts as prompt_data
 from specserve.bench import report
 from specserve.bench.serving import (
-    WARMUP_TEXT, concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts, warm_up,
+    WARMUP_TEXT, concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts,
+    warm_up,
 )
 
 MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM --quantization gguf"   # make serve's SPEC_ARGS QUANT_ARGS

@@ -153,8 +153,8 @@ class EngineClient:
         group = RequestGroup(self._abort, rids, loop)
         for sub in subs:
             self._streams[sub.rid] = self._new_stream(group, sub.index, sub.sampling)
-        accepted = self._ask(ipc.AddRequests, [ipc.AddRequest(s.rid, s.input_ids, s.sampling, stream) for s in subs],
-                             rids=rids)
+        requests = [ipc.AddRequest(s.rid, s.input_ids, s.sampling, stream) for s in subs]
+        accepted = self._ask(ipc.AddRequests, requests, rids=rids)
         return await accepted_group(group, accepted)
 
     async def query(self, method: str) -> Any:
