@@ -191,16 +191,14 @@ class EngineClient:
     # ---- messages in -------------------------------------------------------------------
     def _on_messages(self) -> None:
         """The socket's descriptor became readable: take every message waiting. ZMQ signals its
-        descriptor on edges: drain until EAGAIN, then read EVENTS once, which re-arms the edge
-        and says whether more came meanwhile. (zmq.asyncio does this too, but its futures cost
-        more than all the rest of a streamed token's handling.)"""
+        descriptor on edges: read EVENTS (which re-arms the edge) and take a message while it
+        says one is waiting. (zmq.asyncio does this too, but its futures cost more than all the
+        rest of a streamed token's handling; draining until EAGAIN costs an exception a wake-up.)"""
         socket = self._from_model
-        while True:
+        while socket.getsockopt(_EVENTS) & _POLLIN:
             try:
                 data = socket.recv(_NOBLOCK)
             except zmq.Again:
-                if not socket.getsockopt(_EVENTS) & _POLLIN:
-                    return
                 continue
             try:
                 self._handle(ipc.decode_to_front(data))
