@@ -41,6 +41,7 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3 };
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IQ_LEVEL 2            /* avx512_vnni */
 #define IQ_TILE 16            /* input rows per register tile (16 accumulators + 8 weight vectors) */
+#define IQ_GROUP 8             /* rows whose integer sums run interleaved (two chains each) */
 #else
 #define IQ_LEVEL 1            /* avx2 */
 #define IQ_TILE 4
@@ -159,17 +160,29 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
         }
-        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-            const long i = (m0 + r) * nb + b;
-            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
-            __m512i s0 = _mm512_set1_epi32(a->start[i]), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {          /* two chains: half the latency */
-                s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(iq_load4(q + 4 * j)));
-                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(iq_load4(q + 4 * j + 4)));
+        /* rows in groups of 8, two dpbusd chains each, interleaved in program order: 16
+           independent chains in flight hide vpdpbusd's latency, where one row's 8-long chain
+           at a time left the core waiting (-11..-22% at 8 rows, 1 thread, AVX-512 VNNI Xeon).
+           The int32 sums are exact in any order, so the bits are the same. */
+        _Pragma("GCC unroll 2") for (int r0 = 0; r0 < R; r0 += IQ_GROUP) {
+            const int G = R - r0 < IQ_GROUP ? R - r0 : IQ_GROUP;
+            __m512i s[IQ_GROUP], t[IQ_GROUP];
+            _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+                s[g] = _mm512_set1_epi32(a->start[(m0 + r0 + g) * nb + b]);
+                t[g] = _mm512_setzero_si512();
             }
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i]));
-            acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[r]);
-            if (fmt == IQ_Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->ds[i]), acc[r]);
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2)
+                _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+                    const int8_t *q = a->q + (m0 + r0 + g) * a->K + (long)b * IQ_K;
+                    s[g] = _mm512_dpbusd_epi32(s[g], w[j], _mm512_set1_epi32(iq_load4(q + 4 * j)));
+                    t[g] = _mm512_dpbusd_epi32(t[g], w[j + 1], _mm512_set1_epi32(iq_load4(q + 4 * j + 4)));
+                }
+            _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
+                const long i = (m0 + r0 + g) * nb + b;
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i]));
+                acc[r0 + g] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s[g], t[g])), acc[r0 + g]);
+                if (fmt == IQ_Q4_1) acc[r0 + g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->ds[i]), acc[r0 + g]);
+            }
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
