@@ -26,6 +26,7 @@
 #define MAX_GROUP 16          /* query heads per KV head */
 #define PREFETCH_KEYS 16      /* keys ahead whose K or V rows are prefetched */
 #define VALUE_CHUNKS 4        /* vectors of a value row summed per pass */
+#define ROW_BLOCK 8           /* rows of one request whose shared keys are scored together */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ATT_LANES 16          /* keys per score tile, lanes per vector */
@@ -221,13 +222,15 @@ static void weigh_values(const float *w, int padded, int group, const char *v_ba
 }
 
 /* One query row against one KV head: the `group` query heads q[g * hd16 ...] (float32, already
-   scaled, zero padded to hd16), keys/values at `slots` (num_keys of them). scores: >=
+   scaled, zero padded to hd16), keys/values at `slots` (num_keys of them), the scores of keys
+   [0, scored) already in `scores` (scored: a multiple of ATT_LANES). scores: >=
    round8(num_keys) * group floats of scratch. Writes out[g * head_dim + d] in float32. */
 static void attend_row(const float *q, const char *k_base, const char *v_base, long slot_stride,
-                       const int64_t *slots, int num_keys, int group, int head_dim, int hd16, int is_bf16,
-                       float *scores, float *out) {
+                       const int64_t *slots, int num_keys, int scored, int group, int head_dim, int hd16,
+                       int is_bf16, float *scores, float *out) {
     const int padded = (num_keys + 7) / 8 * 8;
-    score_keys(q, k_base, slot_stride, slots, num_keys, group, head_dim, hd16, is_bf16, padded, scores);
+    score_keys(q, k_base, slot_stride, slots + scored, num_keys - scored, group, head_dim, hd16, is_bf16, padded,
+               scores + scored);
     float inv[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *row = scores + g * padded;
@@ -282,6 +285,85 @@ static int allowed_slots(const uint8_t *allowed, const int64_t *kv_row, int L, i
     return n;
 }
 
+/* one row's buffers: its scores, allowed slots, scaled query heads and result */
+typedef struct {
+    float *scores, *qf, *res;
+    int64_t *slots;
+    int num_keys;
+} row_scratch;
+
+static void scratch_alloc(row_scratch *s, int L, int group, int hd16, int head_dim) {
+    s->scores = (float *)malloc((size_t)((L + 7) / 8 * 8) * group * sizeof(float));
+    s->slots = (int64_t *)malloc((size_t)(L > 0 ? L : 1) * sizeof(int64_t));
+    s->qf = (float *)calloc((size_t)group * hd16, sizeof(float));
+    s->res = (float *)malloc((size_t)group * head_dim * sizeof(float));
+}
+
+static void scratch_free(row_scratch *s) { free(s->scores), free(s->slots), free(s->qf), free(s->res); }
+
+/* how many leading keys rows 1 .. rows - 1 share with row 0 (same slots, same order), in
+   whole score tiles */
+static int shared_keys(const row_scratch *s, int rows) {
+    int n = s[0].num_keys;
+    for (int r = 1; r < rows; r++) {
+        int i = 0;
+        const int m = s[r].num_keys < n ? s[r].num_keys : n;
+        while (i < m && s[r].slots[i] == s[0].slots[i]) i++;
+        n = i;
+    }
+    return n / ATT_LANES * ATT_LANES;
+}
+
+/* rows t0 .. t0 + rows - 1 (one request) against KV heads [h0, h1). The score tiles of the keys
+   every row attends to (the shared prefix) are scored for all rows while a tile's keys are in
+   L1, instead of each row reading them again from L2; each score is the same score_tile call
+   as for a row alone, so the bits do not change. */
+static void attend_block(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
+                         const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
+                         const int32_t *row_query, int t0, int rows, int h0, int h1, int L, int Q, int num_heads,
+                         int num_kv_heads, int head_dim, int hd16, int q_bf16, int is_bf16, row_scratch *s) {
+    const int group = num_heads / num_kv_heads, esize = is_bf16 ? 2 : 4;
+    const long slot_stride = (long)num_kv_heads * head_dim * esize;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    for (int r = 0; r < rows; r++) {
+        const int t = t0 + r, b = row_batch[t];
+        s[r].num_keys = allowed_slots(mask + ((long)b * Q + row_query[t]) * L, kv_indices + (long)b * L, L,
+                                      s[r].slots);
+    }
+    const int shared = rows > 1 ? shared_keys(s, rows) : 0;
+    for (int h = h0; h < h1; h++) {
+        const char *k_base = (const char *)k_layer + (long)h * head_dim * esize;
+        const char *v_base = (const char *)v_layer + (long)h * head_dim * esize;
+        for (int r = 0; r < rows; r++) {
+            const long q_off = (long)(t0 + r) * q_ld + (long)h * group * head_dim;
+            for (int g = 0; g < group; g++)
+                for (int d = 0; d < head_dim; d++)
+                    s[r].qf[g * hd16 + d] = get_elem(q, q_off + g * head_dim + d, q_bf16) * scale;
+        }
+        for (int l0 = 0; l0 < shared; l0 += ATT_LANES) {
+            const char *keys[ATT_LANES];
+            for (int i = 0; i < ATT_LANES; i++) keys[i] = k_base + s[0].slots[l0 + i] * slot_stride;
+            for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < shared; i++)
+                prefetch_row(k_base + s[0].slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
+            for (int r = 0; r < rows; r++) {
+                const int padded = (s[r].num_keys + 7) / 8 * 8;
+                for (int g = 0; g < group; g++)
+                    v_store_part(s[r].scores + g * padded + l0,
+                                 score_tile(s[r].qf + g * hd16, keys, head_dim, hd16, is_bf16), ATT_LANES);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const long out_off = ((long)(t0 + r) * num_heads + (long)h * group) * head_dim;
+            if (s[r].num_keys == 0)
+                memset(s[r].res, 0, (size_t)group * head_dim * sizeof(float));
+            else
+                attend_row(s[r].qf, k_base, v_base, slot_stride, s[r].slots, s[r].num_keys, shared, group,
+                           head_dim, hd16, is_bf16, s[r].scores, s[r].res);
+            for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, s[r].res[i], q_bf16);
+        }
+    }
+}
+
 /* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer
    [num_slots, num_kv_heads, head_dim]; kv_indices [B, L] int64; mask [B, Q, L] bool;
    row_batch/row_query [T] int32; out [T, num_heads * head_dim]. dtype (q and out) and kv_dtype
@@ -294,45 +376,33 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
                    int dtype, int kv_dtype, int nthreads) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
-    const int q_bf16 = dtype == DTYPE_BF16, is_bf16 = kv_dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    const int q_bf16 = dtype == DTYPE_BF16, is_bf16 = kv_dtype == DTYPE_BF16;
     const int hd16 = (head_dim + 15) / 16 * 16;
-    const long slot_stride = (long)num_kv_heads * head_dim * esize;
-    const float scale = 1.0f / sqrtf((float)head_dim);
-    /* a task: one row's KV heads (its mask read once), or one KV head of a row when rows are
-       too few to share the threads */
-    const int heads_per_task = T >= 2 * nthreads ? num_kv_heads : 1, tasks_per_row = num_kv_heads / heads_per_task;
+    /* a task: a segment of consecutive rows of one request (at most `block`) with all their KV
+       heads, or one KV head of a row when rows are too few to share the threads */
+    const int by_head = T < 2 * nthreads, tasks_per_segment = by_head ? num_kv_heads : 1;
+    int block = by_head ? 1 : (T + nthreads - 1) / nthreads;
+    block = block > ROW_BLOCK ? ROW_BLOCK : block;
+    int *segment_start = (int *)malloc((size_t)(T + 1) * sizeof(int)), num_segments = 0;
+    for (int t = 0; t < T; t++)
+        if (t == 0 || row_batch[t] != row_batch[t - 1] || t - segment_start[num_segments - 1] == block)
+            segment_start[num_segments++] = t;
+    segment_start[num_segments] = T;
     #pragma omp parallel num_threads(nthreads)
     {
-        const int padded = (L + 7) / 8 * 8;
-        float *scores = (float *)malloc((size_t)padded * group * sizeof(float));
-        int64_t *slots = (int64_t *)malloc((size_t)L * sizeof(int64_t));
-        float *qf = (float *)calloc((size_t)group * hd16, sizeof(float));
-        float *res = (float *)malloc((size_t)group * head_dim * sizeof(float));
+        row_scratch scratch[ROW_BLOCK];
+        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], L, group, hd16, head_dim);
         #pragma omp for schedule(static)
-        for (long task = 0; task < (long)T * tasks_per_row; task++) {
-            const int t = (int)(task / tasks_per_row), h0 = (int)(task % tasks_per_row) * heads_per_task;
-            const int b = row_batch[t], j = row_query[t];
-            const int num_keys = allowed_slots(mask + ((long)b * Q + j) * L, kv_indices + (long)b * L, L, slots);
-            for (int h = h0; h < h0 + heads_per_task; h++) {
-                const long q_off = (long)t * q_ld + (long)h * group * head_dim;
-                const long out_off = ((long)t * num_heads + (long)h * group) * head_dim;
-                for (int g = 0; g < group; g++)
-                    for (int d = 0; d < head_dim; d++)
-                        qf[g * hd16 + d] = get_elem(q, q_off + g * head_dim + d, q_bf16) * scale;
-                if (num_keys == 0)
-                    memset(res, 0, (size_t)group * head_dim * sizeof(float));
-                else
-                    attend_row(qf, (const char *)k_layer + (long)h * head_dim * esize,
-                               (const char *)v_layer + (long)h * head_dim * esize, slot_stride,
-                               slots, num_keys, group, head_dim, hd16, is_bf16, scores, res);
-                for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, res[i], q_bf16);
-            }
+        for (long task = 0; task < (long)num_segments * tasks_per_segment; task++) {
+            const int seg = (int)(task / tasks_per_segment), h = (int)(task % tasks_per_segment);
+            const int t0 = segment_start[seg], rows = segment_start[seg + 1] - t0;
+            attend_block(q, q_ld, k_layer, v_layer, out, kv_indices, mask, row_batch, row_query, t0, rows,
+                         by_head ? h : 0, by_head ? h + 1 : num_kv_heads, L, Q, num_heads, num_kv_heads,
+                         head_dim, hd16, q_bf16, is_bf16, scratch);
         }
-        free(scores);
-        free(slots);
-        free(qf);
-        free(res);
+        for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
+    free(segment_start);
     return 0;
 }
 
