@@ -26,7 +26,8 @@
 #define MAX_GROUP 16          /* query heads per KV head */
 #define PREFETCH_KEYS 16      /* keys ahead whose K or V rows are prefetched */
 #define VALUE_CHUNKS 4        /* vectors of a value row summed per pass */
-#define ROW_BLOCK 8           /* rows of one request whose shared keys are scored together */
+#define ROW_BLOCK 8           /* rows of one request whose shared keys are scored and weighed together */
+#define KEY_CHUNK 64          /* shared keys whose value rows are weighed for every row at once */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ATT_LANES 16          /* keys per score tile, lanes per vector */
@@ -163,41 +164,45 @@ static void score_keys(const float *q, const char *k_base, long slot_stride, con
     }
 }
 
-/* out[g * head_dim + d] for NG heads from g0 and the VALUE_CHUNKS vectors from d0:
-   sum_l w_g[l] * V[slots[l]][d], keys in order (each element one chain of FMAs over l) */
+/* orow[p][d] for NG (weights, output) pairs and the VALUE_CHUNKS vectors from d0, over keys
+   [l_begin, l_end): orow[p][d] (+)= sum_l wrow[p][l] * V[slots[l]][d], keys in order, each element
+   one chain of FMAs over l. resume: the chain goes on from orow's values (the sum over the keys
+   before l_begin), so splitting the keys into ranges gives the same bits as one range. */
 static inline __attribute__((always_inline)) void weigh_pass(
-        const float *w, int padded, int g0, int NG, const char *v_base, long slot_stride,
-        const int64_t *slots, int num_keys, int d0, int head_dim, int is_bf16, float *out) {
+        const float *const *wrow, float *const *orow, int NG, const char *v_base, long slot_stride,
+        const int64_t *slots, int l_begin, int l_end, int d0, int head_dim, int is_bf16, int resume, int prefetch) {
     const int esize = is_bf16 ? 2 : 4;
     vecf acc[HEADS_PER_PASS][VALUE_CHUNKS];
     for (int g = 0; g < NG; g++)
-        for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = v_zero();
-    for (int l = 0; l < num_keys; l++) {
-        if (g0 == 0 && l + PREFETCH_KEYS < num_keys)      /* the first pass over the values reads them */
+        for (int c = 0; c < VALUE_CHUNKS; c++)
+            acc[g][c] = resume ? v_load_row((const char *)orow[g], d0 + c * ATT_LANES, head_dim, 0) : v_zero();
+    for (int l = l_begin; l < l_end; l++) {
+        if (prefetch && l + PREFETCH_KEYS < l_end)      /* the first pass over the values reads them */
             prefetch_row(v_base + slots[l + PREFETCH_KEYS] * slot_stride + (long)d0 * esize,
                          VALUE_CHUNKS * ATT_LANES * esize);
         const char *value = v_base + slots[l] * slot_stride;
         vecf v[VALUE_CHUNKS];
         for (int c = 0; c < VALUE_CHUNKS; c++) v[c] = v_load_row(value, d0 + c * ATT_LANES, head_dim, is_bf16);
         for (int g = 0; g < NG; g++) {
-            const vecf wv = v_set1(w[(g0 + g) * padded + l]);
+            const vecf wv = v_set1(wrow[g][l]);
             for (int c = 0; c < VALUE_CHUNKS; c++) acc[g][c] = v_fma(wv, v[c], acc[g][c]);
         }
     }
     for (int g = 0; g < NG; g++)
         for (int c = 0; c < VALUE_CHUNKS; c++) {
             const int d = d0 + c * ATT_LANES;
-            v_store_part(out + (g0 + g) * head_dim + d, acc[g][c], head_dim - d);
+            v_store_part(orow[g] + d, acc[g][c], head_dim - d);
         }
 }
 
-static inline __attribute__((always_inline)) void weigh_values_dims(
-        const float *w, int padded, int group, const char *v_base, long slot_stride, const int64_t *slots,
-        int num_keys, int head_dim, int is_bf16, float *out) {
+static inline __attribute__((always_inline)) void weigh_pairs_dims(
+        const float *const *wrow, float *const *orow, int pairs, const char *v_base, long slot_stride,
+        const int64_t *slots, int l_begin, int l_end, int head_dim, int is_bf16, int resume) {
     for (int d0 = 0; d0 < head_dim; d0 += VALUE_CHUNKS * ATT_LANES)
-        for (int g0 = 0; g0 < group; g0 += HEADS_PER_PASS) {
-            const int ng = group - g0 < HEADS_PER_PASS ? group - g0 : HEADS_PER_PASS;
-#define WEIGH_HEADS(NG) weigh_pass(w, padded, g0, NG, v_base, slot_stride, slots, num_keys, d0, head_dim, is_bf16, out)
+        for (int p0 = 0; p0 < pairs; p0 += HEADS_PER_PASS) {
+            const int ng = pairs - p0 < HEADS_PER_PASS ? pairs - p0 : HEADS_PER_PASS;
+#define WEIGH_HEADS(NG) weigh_pass(wrow + p0, orow + p0, NG, v_base, slot_stride, slots, l_begin, l_end, d0, \
+                                   head_dim, is_bf16, resume, p0 == 0)
             switch (ng) {   /* constant head counts keep the accumulators in registers */
             case 1: WEIGH_HEADS(1); break;
 #if HEADS_PER_PASS > 2
@@ -210,28 +215,28 @@ static inline __attribute__((always_inline)) void weigh_values_dims(
         }
 }
 
-/* weigh_values_dims with the common head sizes as constants (no lane masks) */
-static void weigh_values(const float *w, int padded, int group, const char *v_base, long slot_stride,
-                         const int64_t *slots, int num_keys, int head_dim, int is_bf16, float *out) {
+/* weigh_pairs_dims with the common head sizes as constants (no lane masks) */
+static void weigh_pairs(const float *const *wrow, float *const *orow, int pairs, const char *v_base,
+                        long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int is_bf16,
+                        int resume) {
     if (head_dim == 64 && !is_bf16)
-        weigh_values_dims(w, padded, group, v_base, slot_stride, slots, num_keys, 64, 0, out);
+        weigh_pairs_dims(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, 64, 0, resume);
     else if (head_dim == 128 && !is_bf16)
-        weigh_values_dims(w, padded, group, v_base, slot_stride, slots, num_keys, 128, 0, out);
+        weigh_pairs_dims(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, 128, 0, resume);
     else
-        weigh_values_dims(w, padded, group, v_base, slot_stride, slots, num_keys, head_dim, is_bf16, out);
+        weigh_pairs_dims(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, is_bf16, resume);
 }
 
-/* One query row against one KV head: the `group` query heads q[g * hd16 ...] (float32, already
-   scaled, zero padded to hd16), keys/values at `slots` (num_keys of them), the scores of keys
-   [0, scored) already in `scores` (scored: a multiple of ATT_LANES). scores: >=
-   round8(num_keys) * group floats of scratch. Writes out[g * head_dim + d] in float32. */
-static void attend_row(const float *q, const char *k_base, const char *v_base, long slot_stride,
-                       const int64_t *slots, int num_keys, int scored, int group, int head_dim, int hd16,
-                       int is_bf16, float *scores, float *out) {
+/* One query row against one KV head, scores: the `group` query heads q[g * hd16 ...] (float32,
+   already scaled, zero padded to hd16) against the keys at `slots` (num_keys of them), the
+   scores of keys [0, scored) already in `scores` (scored: a multiple of ATT_LANES); then the
+   softmax weights in place, and inv[g] = 1 / their sum. scores: >= round8(num_keys) * group
+   floats of scratch, row g at g * round8(num_keys). */
+static void score_row(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
+                      int scored, int group, int head_dim, int hd16, int is_bf16, float *scores, float *inv) {
     const int padded = (num_keys + 7) / 8 * 8;
     score_keys(q, k_base, slot_stride, slots + scored, num_keys - scored, group, head_dim, hd16, is_bf16, padded,
                scores + scored);
-    float inv[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *row = scores + g * padded;
         for (int l = num_keys; l < padded; l++) row[l] = -INFINITY;
@@ -259,9 +264,6 @@ static void attend_row(const float *q, const char *k_base, const char *v_base, l
         }
         inv[g] = 1.0f / hsum8(sum);
     }
-    weigh_values(scores, padded, group, v_base, slot_stride, slots, num_keys, head_dim, is_bf16, out);
-    for (int g = 0; g < group; g++)
-        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv[g];
 }
 
 /* slots[0 .. n) = the slots of the allowed keys, in order; returns n. Masks are mostly runs
@@ -290,6 +292,7 @@ typedef struct {
     float *scores, *qf, *res;
     int64_t *slots;
     int num_keys;
+    float inv[MAX_GROUP];
 } row_scratch;
 
 static void scratch_alloc(row_scratch *s, int L, int group, int hd16, int head_dim) {
@@ -352,13 +355,32 @@ static void attend_block(const void *q, long q_ld, const void *k_layer, const vo
                                  score_tile(s[r].qf + g * hd16, keys, head_dim, hd16, is_bf16), ATT_LANES);
             }
         }
-        for (int r = 0; r < rows; r++) {
+        for (int r = 0; r < rows; r++)
+            if (s[r].num_keys > 0)
+                score_row(s[r].qf, k_base, slot_stride, s[r].slots, s[r].num_keys, shared, group, head_dim, hd16,
+                          is_bf16, s[r].scores, s[r].inv);
+        /* the shared keys' values, for every row and head of the segment, KEY_CHUNK keys at a
+           time (their value rows stay in L1 across the passes) */
+        const float *wrow[ROW_BLOCK * MAX_GROUP];
+        float *orow[ROW_BLOCK * MAX_GROUP];
+        for (int r = 0; r < rows; r++)
+            for (int g = 0; g < group; g++) {
+                wrow[r * group + g] = s[r].scores + g * ((s[r].num_keys + 7) / 8 * 8);
+                orow[r * group + g] = s[r].res + g * head_dim;
+            }
+        for (int l0 = 0; l0 < shared; l0 += KEY_CHUNK)
+            weigh_pairs(wrow, orow, rows * group, v_base, slot_stride, s[0].slots, l0,
+                        l0 + KEY_CHUNK < shared ? l0 + KEY_CHUNK : shared, head_dim, is_bf16, l0 > 0);
+        for (int r = 0; r < rows; r++) {     /* then each row's own keys, going on from those sums */
             const long out_off = ((long)(t0 + r) * num_heads + (long)h * group) * head_dim;
-            if (s[r].num_keys == 0)
+            if (s[r].num_keys == 0) {
                 memset(s[r].res, 0, (size_t)group * head_dim * sizeof(float));
-            else
-                attend_row(s[r].qf, k_base, v_base, slot_stride, s[r].slots, s[r].num_keys, shared, group,
-                           head_dim, hd16, is_bf16, s[r].scores, s[r].res);
+            } else {
+                weigh_pairs(wrow + r * group, orow + r * group, group, v_base, slot_stride, s[r].slots, shared,
+                            s[r].num_keys, head_dim, is_bf16, shared > 0);
+                for (int g = 0; g < group; g++)
+                    for (int d = 0; d < head_dim; d++) s[r].res[g * head_dim + d] *= s[r].inv[g];
+            }
             for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, s[r].res[i], q_bf16);
         }
     }
