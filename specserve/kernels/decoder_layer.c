@@ -109,14 +109,31 @@ static void add_into(void *h, const void *y, long n, int is_bf16) {
     }
 }
 
-/* act[t, i] = round(round(silu(gate)) * up), gate_up rows = [gate (I) | up (I)]; I % 8 == 0 */
-static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16) {
+/* act[t, i] = round(round(silu(gate)) * up), gate_up rows = [gate (I) | up (I)]; I % 8 == 0.
+   Each element's arithmetic is the same at any vector width (exp16 = exp8 lane by lane, an
+   IEEE divide), so the AVX-512 lanes give the AVX2 bits; rows split over the threads when
+   there are enough of them (verification, prefill). */
+static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16, int nthreads) {
     const int esize = is_bf16 ? 2 : 4;
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T >= 4 * nthreads)
     for (int t = 0; t < T; t++) {
         const char *gate = (const char *)gate_up + (long)t * 2 * I * esize, *up = gate + (long)I * esize;
         char *out = (char *)act + (long)t * I * esize;
-        for (int i = 0; i < I; i += 8) {
+        int i = 0;
+#ifdef __AVX512F__
+        if (!is_bf16) {
+            const __m512 one16 = _mm512_set1_ps(1.0f);
+            const __m512i sign16 = _mm512_set1_epi32((int)0x80000000u);
+            for (; i + 16 <= I; i += 16) {
+                const __m512 g = _mm512_loadu_ps((const float *)gate + i);
+                const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign16));
+                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one16, exp16(minus_g)));
+                _mm512_storeu_ps((float *)out + i, _mm512_mul_ps(silu, _mm512_loadu_ps((const float *)up + i)));
+            }
+        }
+#endif
+        for (; i < I; i += 8) {
             const __m256 g = load8(gate + i * esize, is_bf16);
             const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
             store8(out + i * esize, _mm256_mul_ps(round_to8(silu, is_bf16), load8(up + i * esize, is_bf16)), is_bf16);
@@ -160,7 +177,7 @@ int decoder_layer(void *h, const void *const *norms, const linear_weights *linea
     t = profile_mark(PROF_NORM, t);
     status |= linear_forward(&linears[2], x, NULL, gate_up, T, 2 * I, H, dtype, nthreads);
     t = profile_mark(PROF_GATE_UP, t);
-    silu_mul(gate_up, act, T, I, is_bf16);
+    silu_mul(gate_up, act, T, I, is_bf16, nthreads);
     t = profile_mark(PROF_SILU, t);
     status |= linear_forward(&linears[3], act, NULL, y, T, H, I, dtype, nthreads);
     t = profile_mark(PROF_DOWN, t);
