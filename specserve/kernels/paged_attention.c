@@ -19,7 +19,11 @@
    trees of a tile's keys are summed together by shuffles into one vector of scores: no
    horizontal sum per key. The query heads of a GQA group share each key's loads, and the
    weighted values are summed for several heads at once (each element one chain of FMAs over l,
-   the same whatever the vector width).
+   the same whatever the vector width). Rows of one request (a verify forward, a prefill chunk)
+   go in segments: the keys every row of a segment attends to are scored tile by tile and
+   weighed chunk by chunk for all its rows while those keys are in L1, and each row then goes
+   on alone with its own keys; every score and every FMA chain is the one the row would get
+   alone.
    Built by build.py (cpu_kernels.c), called from attention.py and decoder_layer.c. */
 #include "common.h"
 
