@@ -10,8 +10,9 @@ record and store what the draft heads learn from, per token:
 Features are float16 (or bfloat16 stored as uint16 bits). Shards are folders of ``.npy``
 files (memory-mappable) plus ``records.npy`` [R, 4] int64 rows ``(index, offset, length,
 prompt_len)``; a shard is written under a temporary name and renamed when complete, so
-an interrupted run resumes after the last complete shard. The target runs in float32
-through ``ModelRunner`` (the serving path), several records per batched prefill.
+an interrupted run resumes after the last complete shard. The target runs through
+``ModelRunner`` (the serving path: float32, or the integer GGUF kernels with
+``quantization="gguf"``), several records per batched prefill.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ class CaptureConfig:
     max_records: int | None = None
     device: str = "cpu"
     target_dtype: str = "float32"  # bfloat16: ~3x faster on CPUs with AMX; features within bf16 rounding
+    quantization: str | None = None  # "gguf": the integer kernels `make serve` runs (CPU, GGUF targets)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.features if f not in FEATURE_KINDS]
@@ -163,14 +165,15 @@ class TargetFeatures:
     def __init__(self, model_path: str | None, aux_layer_ids: tuple[int, ...] | None, *,
                  max_tokens: int, max_seq_len: int, max_rows: int = 256, device: str = "cpu",
                  model_config: ModelConfig | None = None, weights=None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, quantization: str | None = None) -> None:
         if model_config is None:
             model_config, weights = read_checkpoint(resolve_model_path(model_path))
         self.config = model_config
         num_slots = max(max_tokens, max_seq_len)
         self.runner = ModelRunner(model_config, weights, dtype=dtype, device=device,
                                   max_position=max_seq_len + 1, num_kv_slots=num_slots, page_size=1,
-                                  max_rows=max_rows, max_row_len=max_seq_len + 1)
+                                  max_rows=max_rows, max_row_len=max_seq_len + 1,
+                                  quantization=quantization if device == "cpu" else None)
         self.aux_layer_ids = tuple(sorted(aux_layer_ids or default_aux_layer_ids(model_config.num_hidden_layers)))
         self.runner.model.aux_layer_ids = self.aux_layer_ids
         self.runner.capture_features = "final"     # left in last_features by every forward
@@ -295,7 +298,7 @@ def capture(cfg: CaptureConfig, target: TargetFeatures | None = None) -> int:
         shutil.rmtree(leftover)
     target = target or TargetFeatures(cfg.model_path, cfg.aux_layer_ids, max_tokens=cfg.batch_tokens,
                                       max_seq_len=cfg.max_seq_len, device=cfg.device,
-                                      dtype=getattr(torch, cfg.target_dtype))
+                                      dtype=getattr(torch, cfg.target_dtype), quantization=cfg.quantization)
     mcfg = target.config
     info = CaptureInfo(model_path=str(cfg.model_path or "default"), hidden_size=mcfg.hidden_size,
                        vocab_size=mcfg.vocab_size, num_layers=mcfg.num_hidden_layers,

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-dir", default=None, help="training prompt folder (default ../shared/data/train)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--regen-dtype", default="auto", help="target dtype while regenerating")
+    g.add_argument("--regen-quantization", default="gguf", choices=("gguf", "none"),
+                   help="gguf: the integer kernels `make serve` runs (the answers are the served target's own); "
+                        "none: the exact float path")
     g.add_argument("--regen-batch", type=int, default=64, help="concurrent requests while regenerating")
     g = p.add_argument_group("capture")
     g.add_argument("--aux-layer-ids", default=None,
@@ -57,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="target dtype while capturing (bfloat16: faster on CPUs with AMX, features "
                         "within bf16 rounding of the float32 serving ones)")
+    g.add_argument("--capture-quantization", default="gguf", choices=("gguf", "none"),
+                   help="gguf: features from the integer kernels `make serve` runs (what the head sees when "
+                        "served); none: the exact float path")
     g.add_argument("--capture-batch-tokens", type=int, default=2048, help="tokens per batched target prefill")
     g.add_argument("--shard-tokens", type=int, default=32768, help="tokens per shard file")
     g.add_argument("--max-seq-len", type=int, default=2048, help="records are truncated to this many tokens")
@@ -130,8 +136,10 @@ def run_regenerate(args) -> None:
     from specserve.train.regenerate import regenerate
 
     prompts = load_training_prompts(args.prompt_dir, limit=args.num_prompts)   # fixed order: indices resume
+    quantization = None if args.regen_quantization == "none" else args.regen_quantization
     engine = LLMEngine(ServerArgs.from_kwargs(model_path=args.model_path, dtype=args.regen_dtype,
-                                              max_running_requests=args.regen_batch, log_level="warning"))
+                                              quantization=quantization, max_running_requests=args.regen_batch,
+                                              log_level="warning"))
     written = regenerate(engine, prompts, answers_path(args), max_new_tokens=args.max_new_tokens)
     print(f"regenerate: {written} new answers in {answers_path(args)}")
 
@@ -145,7 +153,8 @@ def run_capture(args) -> None:
                         features=tuple(f.strip() for f in args.capture_features.split(",") if f.strip()),
                         top_k=args.top_k, feature_dtype=args.feature_dtype, batch_tokens=args.capture_batch_tokens,
                         shard_tokens=args.shard_tokens, max_seq_len=args.max_seq_len, max_records=args.max_records,
-                        device=args.device, target_dtype=args.capture_dtype)
+                        device=args.device, target_dtype=args.capture_dtype,
+                        quantization=None if args.capture_quantization == "none" else args.capture_quantization)
     tokens = capture(cfg)
     print(f"capture: {tokens} new tokens in {capture_dir(args)}")
 
