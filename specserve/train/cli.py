@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-records", type=int, default=64, help="records held out for validation")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     g.add_argument("--init-from", default=None,
-                   help="start from this checkpoint's head weights (fresh optimizer, schedule and data order)")
+                   help="start from this checkpoint's head weights, or an exported head folder such as a shipped "
+                        "draft (EAGLE3: its draft vocabulary too); fresh optimizer, schedule and data order")
     g.add_argument("--ce-weight", type=float, default=0.1, help="EAGLE: cross-entropy weight")
     g.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default the target's)")
     g = p.add_argument_group("export")
@@ -185,8 +186,16 @@ def draft_vocab(args, vocab_size: int) -> list[int]:
             raise UsageError(f"--draft-vocab-size {args.draft_vocab_size}: {path} holds {len(ids)} ids from an "
                              f"earlier run; delete it (and the checkpoints) or pass --draft-vocab-size {len(ids)}")
         return list(ids)
-    paths = _need_answers(args, "the draft vocabulary comes from the answers")
-    ids = top_frequent_ids(count_tokens(paths), args.draft_vocab_size, vocab_size)
+    if args.algorithm == "EAGLE3" and args.init_from and Path(args.init_from).is_dir():
+        from specserve.train.train_head import exported_vocab_ids, read_exported_head
+
+        ids = exported_vocab_ids(read_exported_head(args.init_from), args.init_from)   # the warm start's own
+        if len(ids) != args.draft_vocab_size:
+            raise UsageError(f"--draft-vocab-size {args.draft_vocab_size}: the --init-from head has "
+                             f"{len(ids)} draft ids; pass --draft-vocab-size {len(ids)}")
+    else:
+        paths = _need_answers(args, "the draft vocabulary comes from the answers")
+        ids = top_frequent_ids(count_tokens(paths), args.draft_vocab_size, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(ids, path)
     return ids

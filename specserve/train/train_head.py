@@ -32,7 +32,7 @@ from specserve.config import ModelConfig
 from specserve.loading.loader import read_checkpoint, resolve_model_path
 from specserve.models.llama import LlamaForCausalLM
 from specserve.train.dataset import Batch, BatchLoader, CaptureDataset, shift, split_records, step_view
-from specserve.train.frspec import draft_vocab_maps
+from specserve.train.frspec import draft_vocab_ids, draft_vocab_maps
 from specserve.train.ttt import TTTBackend, TTTCache, TTTMeta
 
 logger = logging.getLogger(__name__)
@@ -333,9 +333,25 @@ class HeadTrainer:
         logger.info("resumed from %s (step %d)", paths[-1], self.step)
 
     def warm_start(self, path: Path) -> None:
-        """Head weights from an earlier run's checkpoint; optimizer, schedule and data start fresh."""
+        """Head weights from an earlier run's checkpoint, or from an exported head folder (a
+        shipped draft); optimizer, schedule and data start fresh."""
+        if path.is_dir():
+            self._load_exported_head(path)
+            logger.info("warm start from the exported head %s", path)
+            return
         state = self._load_head_weights(path, "--init-from", f"copy its draft_vocab.pt into {self.out} first")
         logger.info("warm start from %s (its step %d)", path, state.get("step", -1))
+
+    def _load_exported_head(self, folder: Path) -> None:
+        tensors = read_exported_head(folder)
+        if self.cfg.algorithm == "EAGLE3":
+            ids = exported_vocab_ids(tensors, folder)
+            if sorted(ids) != sorted(self.vocab_ids):
+                raise ValueError(f"--init-from {folder}: its draft vocabulary differs from this run's; start the "
+                                 f"run from that head's vocabulary (delete {self.out / 'draft_vocab.pt'})")
+        with torch.no_grad():
+            self.head.load_weights((name, t.float()) if t.is_floating_point() else (name, t)
+                                   for name, t in tensors.items())
 
     def _load_head_weights(self, path: Path, flag: str, hint: str) -> dict:
         """Load ``path`` into the head after checking it is this run's algorithm and draft
@@ -427,6 +443,24 @@ def _short(metrics: dict[str, float], num_steps: int) -> dict[str, str]:
         shown["val_acc0"] = f"{metrics['val_acc0']:.3f}"
     shown["tok/s"] = f"{metrics['tok_per_s']:.0f}"
     return shown
+
+
+def read_exported_head(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of an exported head folder (``export.py``: model.safetensors + config.json)."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"--init-from {folder}: no model.safetensors in it (an exported head folder, "
+                         f"or a training checkpoint file)")
+    return load_file(str(path))
+
+
+def exported_vocab_ids(tensors: dict[str, torch.Tensor], folder) -> list[int]:
+    """Target ids of an exported EAGLE3 head's draft vocabulary (from its ``d2t``)."""
+    if "d2t" not in tensors:
+        raise ValueError(f"--init-from {folder}: not an EAGLE3 head with a draft vocabulary (no d2t tensor)")
+    return draft_vocab_ids(tensors["d2t"].to(torch.int64)).tolist()
 
 
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path:

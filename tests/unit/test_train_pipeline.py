@@ -187,6 +187,18 @@ def test_warm_start_takes_head_weights_only(tiny, captured, tmp_path):
         trainer(tiny, captured, tmp_path / "c", algorithm="EAGLE", init_from=str(checkpoint))
 
 
+def test_warm_start_from_an_exported_head(tiny, captured, tmp_path):
+    first = trainer(tiny, captured, tmp_path / "a", max_steps=6)
+    first.train()
+    folder = export_head(first.head, "EAGLE3", tmp_path / "exported", torch.float32)
+    warm = trainer(tiny, captured, tmp_path / "b", max_steps=3, init_from=str(folder))
+    assert warm.step == 0
+    for (name, a), b in zip(first.head.state_dict().items(), warm.head.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="--init-from"):
+        trainer(tiny, captured, tmp_path / "c", init_from=str(tmp_path / "a"))     # no model.safetensors
+
+
 # ---- export ------------------------------------------------------------------------------------
 
 def head_logits(head, ids, features):
@@ -282,6 +294,14 @@ def test_cli_runs_every_stage(tiny, answers, tmp_path, capsys):
     assert len(token_map) == 8
     info = json.loads((out / "training_info.json").read_text())
     assert info["step"] == 4
+    warm = tmp_path / "warm"          # a new run warm-started from the exported folder takes its vocabulary
+    warm.mkdir()
+    (warm / "capture").symlink_to(work / "capture")
+    assert cli.main(["--work-dir", str(warm), "--model-path", str(path), "--algorithm", "EAGLE3", "--stage", "train",
+                     "--draft-vocab-size", "16", "--seq-len", "64", "--max-steps", "1", "--val-records", "4",
+                     "--init-from", str(out)]) == 0
+    vocab = torch.load(work / "train_EAGLE3" / "draft_vocab.pt", weights_only=True)
+    assert sorted(torch.load(warm / "train_EAGLE3" / "draft_vocab.pt", weights_only=True)) == sorted(vocab)
 
 
 @pytest.mark.parametrize("argv, flag", [
