@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
     g.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: at checkpoints)")
     g.add_argument("--val-records", type=int, default=64, help="records held out for validation")
+    g.add_argument("--early-stop-patience", type=int, default=0,
+                   help="stop after this many evaluations without a lower val_loss (0: off); the best head "
+                        "is kept as checkpoints/best.pt either way")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     g.add_argument("--init-from", default=None,
                    help="start from this checkpoint's head weights, or an exported head folder such as a shipped "
@@ -98,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default the target's)")
     g = p.add_argument_group("export")
     g.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    g.add_argument("--checkpoint", default=None, help="training checkpoint to export (default the latest)")
+    g.add_argument("--checkpoint", default=None,
+                   help="training checkpoint to export (default checkpoints/best.pt: the lowest val_loss, "
+                        "else the latest)")
     return p
 
 
@@ -213,6 +218,7 @@ def run_train(args) -> None:
                       warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       seed=args.seed, device=args.device, bf16=args.bf16, save_every=args.save_every,
                       eval_every=args.eval_every, val_records=args.val_records, resume=args.resume,
+                      early_stop_patience=args.early_stop_patience,
                       init_from=args.init_from,
                       ce_weight=args.ce_weight, intermediate_size=args.intermediate_size)
     trainer = HeadTrainer(cfg, vocab, target=target)
@@ -225,11 +231,11 @@ def run_train(args) -> None:
 
 def run_export(args) -> None:
     from specserve.train.export import export_checkpoint
-    from specserve.train.train_head import latest_checkpoint
+    from specserve.train.train_head import best_checkpoint
 
     if not args.out:
         raise UsageError("--out is required for the export stage (the head directory to write)")
-    checkpoint = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(train_dir(args))
+    checkpoint = Path(args.checkpoint) if args.checkpoint else best_checkpoint(train_dir(args))
     out = export_checkpoint(checkpoint, args.out, model_path=args.model_path, dtype=args.export_dtype)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"export: {checkpoint} -> {out} ({size / 1e6:.1f} MB)")

@@ -71,5 +71,6 @@ def export_checkpoint(checkpoint_path: str | os.PathLike, out_dir: str | os.Path
     load_trainable_state(head, state["head"])
     info = {"algorithm": algorithm, "step": state["step"], "checkpoint": str(checkpoint_path),
             "aux_layer_ids (target layer inputs)": state["aux_layer_ids"],
+            "held_out_metrics": state.get("val_metrics"),
             "train_config": {k: v for k, v in cfg.items() if k not in ("resume",)}}
     return export_head(head, algorithm, out_dir, EXPORT_DTYPES[dtype], info)

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 ALGORITHMS = ("EAGLE3", "EAGLE")
 CHECKPOINT_DIR = "checkpoints"
+BEST_CHECKPOINT = "best.pt"
 TARGET_PART_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
@@ -66,6 +67,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0                  # 0: at checkpoints and at the end
     val_records: int = 64
+    early_stop_patience: int = 0         # stop after this many evaluations without a better val_loss (0: off)
     resume: bool = False
     init_from: str | None = None         # a checkpoint whose head weights start a fresh run (warm start)
     ce_weight: float = 0.1               # EAGLE: weight of the cross-entropy next to smooth-L1
@@ -80,7 +82,8 @@ class TrainConfig:
         checks = {"--ttt-steps": self.num_ttt_steps >= 1, "--seq-len": self.seq_len >= 2,
                   "--batch-size": self.batch_size >= 1, "--lr": self.lr > 0, "--epochs": self.epochs > 0,
                   "--grad-clip": self.grad_clip > 0, "--save-every": self.save_every >= 1,
-                  "--max-steps": self.max_steps is None or self.max_steps >= 1}
+                  "--max-steps": self.max_steps is None or self.max_steps >= 1,
+                  "--early-stop-patience": self.early_stop_patience >= 0}
         bad = [flag for flag, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid value for {', '.join(bad)}")
@@ -286,6 +289,7 @@ class HeadTrainer:
             self.optimizer, lr_lambda(min(cfg.warmup_steps, self.total_steps // 10 + 1), self.total_steps,
                                       cfg.min_lr_ratio))
         self.step = 0
+        self.best_val_loss, self.bad_evals = math.inf, 0
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume:
@@ -304,21 +308,42 @@ class HeadTrainer:
     def checkpoint_paths(self) -> list[Path]:
         return sorted((self.out / CHECKPOINT_DIR).glob("step_*.pt"))
 
+    def checkpoint_state(self) -> dict:
+        return {"algorithm": self.cfg.algorithm, "step": self.step, "head": trainable_state(self.head),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": torch.get_rng_state(), "vocab_ids": self.vocab_ids, "config": asdict(self.cfg),
+                "head_config": self.head.config.to_hf() | {"extra": self.head.config.extra},
+                "aux_layer_ids": list(self.data.info.aux_layer_ids),
+                "best_val_loss": self.best_val_loss, "bad_evals": self.bad_evals}
+
     def save_checkpoint(self) -> Path:
         folder = self.out / CHECKPOINT_DIR
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"step_{self.step:07d}.pt"
-        state = {"algorithm": self.cfg.algorithm, "step": self.step, "head": trainable_state(self.head),
-                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": torch.get_rng_state(), "vocab_ids": self.vocab_ids, "config": asdict(self.cfg),
-                 "head_config": self.head.config.to_hf() | {"extra": self.head.config.extra},
-                 "aux_layer_ids": list(self.data.info.aux_layer_ids)}
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        _save_atomically(self.checkpoint_state(), path)
         for old in self.checkpoint_paths()[:-self.cfg.keep_checkpoints]:
             old.unlink()
         return path
+
+    def note_evaluation(self, metrics: dict[str, float]) -> bool:
+        """Keep the best head so far as ``checkpoints/best.pt`` (by val_loss); True when the
+        run should stop early (``early_stop_patience`` evaluations without improvement)."""
+        val_loss = metrics.get("val_loss")
+        if val_loss is None:
+            return False
+        if val_loss < self.best_val_loss:
+            self.best_val_loss, self.bad_evals = val_loss, 0
+            (self.out / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
+            _save_atomically(self.checkpoint_state() | {"val_metrics": metrics},
+                             self.out / CHECKPOINT_DIR / BEST_CHECKPOINT)
+            return False
+        self.bad_evals += 1
+        patience = self.cfg.early_stop_patience
+        if patience and self.bad_evals >= patience:
+            logger.warning("early stop at step %d: val_loss %.4f has not beaten %.4f for %d evaluations",
+                           self.step, val_loss, self.best_val_loss, self.bad_evals)
+            return True
+        return False
 
     def resume(self) -> None:
         paths = self.checkpoint_paths()
@@ -330,6 +355,7 @@ class HeadTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step = state["step"]
+        self.best_val_loss, self.bad_evals = state.get("best_val_loss", math.inf), state.get("bad_evals", 0)
         logger.info("resumed from %s (step %d)", paths[-1], self.step)
 
     def warm_start(self, path: Path) -> None:
@@ -428,11 +454,14 @@ class HeadTrainer:
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or (
                         not cfg.eval_every and (self.step % cfg.save_every == 0 or is_last)):
                     metrics.update(self.evaluate())
+                stop = self.note_evaluation(metrics)
                 log.write(json.dumps(metrics) + "\n")
                 log.flush()
                 bar.update(1)
                 bar.set_postfix(_short(metrics, cfg.num_ttt_steps))
                 last = metrics
+                if stop:
+                    break
         return last
 
 
@@ -461,6 +490,18 @@ def exported_vocab_ids(tensors: dict[str, torch.Tensor], folder) -> list[int]:
     if "d2t" not in tensors:
         raise ValueError(f"--init-from {folder}: not an EAGLE3 head with a draft vocabulary (no d2t tensor)")
     return draft_vocab_ids(tensors["d2t"].to(torch.int64)).tolist()
+
+
+def _save_atomically(state: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def best_checkpoint(out_dir: str | os.PathLike) -> Path:
+    """The checkpoint with the lowest val_loss (``best.pt``), else the latest one."""
+    best = Path(out_dir) / CHECKPOINT_DIR / BEST_CHECKPOINT
+    return best if best.is_file() else latest_checkpoint(out_dir)
 
 
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path:

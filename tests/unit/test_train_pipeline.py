@@ -17,7 +17,7 @@ from specserve.runner.model_runner import build_model
 from specserve.train import cli
 from specserve.train.capture import CaptureConfig, capture, from_storage, list_shards
 from specserve.train.export import export_head
-from specserve.train.train_head import HeadTrainer, TrainConfig, target_parts_from
+from specserve.train.train_head import HeadTrainer, TrainConfig, best_checkpoint, target_parts_from
 from tests.model.tiny_llama import random_weights, tiny_config, write_tiny_model
 
 NUM_LAYERS = 8
@@ -185,6 +185,19 @@ def test_warm_start_takes_head_weights_only(tiny, captured, tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="--init-from"):
         trainer(tiny, captured, tmp_path / "c", algorithm="EAGLE", init_from=str(checkpoint))
+
+
+def test_best_head_is_kept_and_patience_stops(tiny, captured, tmp_path):
+    t = trainer(tiny, captured, tmp_path, max_steps=6, early_stop_patience=2)
+    stops = []
+    for step, val_loss in enumerate([1.0, 0.9, 0.95, 0.97], start=1):
+        t.step = step
+        stops.append(t.note_evaluation({"val_loss": val_loss}))
+    assert stops == [False, False, False, True]
+    best = torch.load(best_checkpoint(tmp_path), weights_only=False)
+    assert best["step"] == 2 and best["val_metrics"] == {"val_loss": 0.9}
+    resumed_state = t.checkpoint_state()
+    assert resumed_state["best_val_loss"] == 0.9 and resumed_state["bad_evals"] == 2
 
 
 def test_warm_start_from_an_exported_head(tiny, captured, tmp_path):
