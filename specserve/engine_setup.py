@@ -79,7 +79,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
     kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
-    extra_bytes += _coded_weight_bytes(model_path, device, dtype)
+    extra_bytes += _coded_weight_bytes(model_path, device, dtype, args.quantization, cfg)
     try:
         budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
                                 bytes_per_token=kv_bpt + extra_bpt,
@@ -284,10 +284,17 @@ def _draft_bytes(draft, spec, cfg: ModelConfig, dtype: torch.dtype) -> tuple[int
                                                              dcfg.head_dim, dtype)
 
 
-def _coded_weight_bytes(model_path: str, device: str, dtype: torch.dtype) -> int:
+def _coded_weight_bytes(model_path: str, device: str, dtype: torch.dtype, quantization: str | None,
+                        cfg: ModelConfig) -> int:
     """The code blocks a GGUF's quantized matrices keep beside their dense weights where the
-    CPU kernels run (``models/packed_linear.py``)."""
-    if device != "cpu" or checkpoint_format(model_path) != "gguf" or not skinny.is_available():
+    CPU kernels run (``models/packed_linear.py``); with w8a8_int8, the Q8_0 blocks of every
+    weight (34 bytes per 32: an upper bound, embeddings counted). A draft's blocks are a
+    draft's size again at most, left to the budget's slack."""
+    if device != "cpu" or not skinny.is_available():
+        return 0
+    if quantization == "w8a8_int8":
+        return model_bytes(cfg, torch.int8) * 34 // 32
+    if checkpoint_format(model_path) != "gguf":
         return 0
     if dtype == torch.bfloat16 and has_packed_kernels(dtype):     # bfloat16 linears run oneDNN, not codes
         return 0

@@ -50,7 +50,7 @@ def _data_parallel(args: "ServerArgs") -> str | None:
             f"behind a load balancer for more")
 
 
-APPLIED_QUANTIZATIONS = (None, "unquant", "gguf")     # gguf: integer kernels on CPU (packed_linear.py)
+APPLIED_QUANTIZATIONS = (None, "unquant", "gguf", "w8a8_int8")    # integer kernels on CPU (packed_linear.py)
 
 
 def _quantization(args: "ServerArgs") -> str | None:
@@ -58,7 +58,7 @@ def _quantization(args: "ServerArgs") -> str | None:
     if method in APPLIED_QUANTIZATIONS:
         return None
     return (f"--quantization {method}: not applied, weights load as the checkpoint stores them "
-            f"(only gguf, integer kernels over a GGUF's blocks on CPU, is available here)")
+            f"(gguf and w8a8_int8, integer kernels over GGUF or Q8_0 blocks on CPU, are available here)")
 
 
 def _draft_quantization(args: "ServerArgs") -> str | None:

@@ -87,8 +87,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                           "message.", choices=LOAD_FORMATS),
     "quantization": _model("Quantization method, SGLang's names. gguf: on CPU, linears with GGUF Q4_0/Q4_1/Q8_0 "
                            "blocks run integer kernels (faster; results differ from the dequantized model as "
-                           "llama.cpp's do). Unset or unquant: exact float arithmetic over the blocks. Other "
-                           "methods are logged as not applied.", choices=QUANTIZATIONS),
+                           "llama.cpp's do). w8a8_int8: on CPU, linears without GGUF blocks are rounded to "
+                           "Q8_0 blocks at load, then every linear runs the integer kernels. Unset or unquant: "
+                           "exact float arithmetic over the blocks. Other methods are logged as not applied.",
+                           choices=QUANTIZATIONS),
     "kv_cache_dtype": _memory("KV cache dtype. auto = the model's dtype. bf16/bfloat16 halves the cache's memory "
                               "and what attention reads per token (values are rounded to bfloat16 as they are "
                               "written; attention still computes in float32). SGLang's fp8/fp4 values are "
@@ -161,9 +163,11 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                                    "EAGLE3 heads carry their own draft vocabulary and ignore it (logged)."),
     "speculative_attention_mode": _spec("Attention for verification, SGLang's prefill or decode kernels; "
                                         "both run the same tree attention here.", choices=("prefill", "decode")),
-    "speculative_draft_model_quantization": _spec("Quantization of the STANDALONE draft model (default: the "
-                                                  "target's --quantization); unquant keeps the draft exact "
-                                                  "even when the target runs gguf.", choices=QUANTIZATIONS),
+    "speculative_draft_model_quantization": _spec("Quantization of the draft (STANDALONE model or EAGLE head). "
+                                                  "Default: beside a gguf or w8a8_int8 target, w8a8_int8 (its "
+                                                  "linears in Q8_0 blocks on the integer kernels: drafting "
+                                                  "streams a quarter of float32's bytes); else the target's. "
+                                                  "unquant keeps the draft in float.", choices=QUANTIZATIONS),
     "speculative_draft_attention_backend": _spec("Attention backend of the draft (default: the target's); "
                                                  "the draft runs the target's attention here.",
                                                  choices=ATTENTION_BACKENDS),

@@ -103,3 +103,19 @@ def _pack_nibbles(codes: np.ndarray, kernel_format: int) -> np.ndarray:
         return groups[..., 0, :] | (groups[..., 1, :] << 4)
     halves = codes.reshape(*codes.shape[:-1], 2, 2, 8)
     return halves[..., 0, :] | (halves[..., 1, :] << 4)
+
+
+def q8_0_codes(weight: torch.Tensor) -> BlockCodes:
+    """GGUF's Q8_0 blocks of a float matrix [N, K] (K a multiple of 32), bit for bit as
+    llama.cpp's quantize_row_q8_0: per block of 32, d = max|w| / 127, codes = w * (1 / d)
+    rounded half away from zero, d stored in float16 (a block of zeros: d 0, codes 0)."""
+    num_rows, num_in = weight.shape
+    blocks = weight.detach().float().reshape(num_rows, num_in // CODE_BLOCK, CODE_BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = blocks * inverse
+    magnitude = scaled.abs()
+    whole = torch.floor(magnitude)
+    codes = torch.sign(scaled) * (whole + torch.floor(2 * (magnitude - whole)))
+    scales = d.squeeze(-1).to(torch.float16).float()
+    return BlockCodes(codes.to(torch.int8).reshape(num_rows, num_in), scales, torch.zeros_like(scales), 8)

@@ -16,7 +16,7 @@ from specserve.models.draft_head import (DRAFT_PATH_FLAG, DraftCheckpoint, Draft
 from specserve.models.eagle import EagleHead
 from specserve.models.eagle3 import Eagle3Head
 from specserve.models.mtp import NextNHead
-from specserve.models.packed_linear import pack_linears_for_cpu
+from specserve.models.packed_linear import integer_quantization, pack_linears_for_cpu
 
 if TYPE_CHECKING:
     from specserve.models.llama import LlamaForCausalLM
@@ -29,8 +29,9 @@ HEAD_CLASSES: dict[str, type[DraftHead]] = {
 
 def load_draft_head(algorithm: str, draft_path: str | None, target: "LlamaForCausalLM", target_path: str, *,
                     dtype: torch.dtype, device, max_position: int,
-                    token_map_path: str | None = None) -> DraftHead:
-    """Build, strictly load and bind the draft head for ``algorithm`` ("EAGLE", "NEXTN" or "EAGLE3")."""
+                    token_map_path: str | None = None, quantization: str | None = None) -> DraftHead:
+    """Build, strictly load and bind the draft head for ``algorithm`` ("EAGLE", "NEXTN" or "EAGLE3");
+    ``quantization`` as ``build_model``'s (the head's own linears; shared target parts keep theirs)."""
     algorithm = algorithm.upper()
     if algorithm not in ("EAGLE", "EAGLE3", "NEXTN"):
         raise ValueError(f"no draft head for --speculative-algorithm {algorithm} (EAGLE, EAGLE3, NEXTN)")
@@ -48,7 +49,7 @@ def load_draft_head(algorithm: str, draft_path: str | None, target: "LlamaForCau
     head.load_weights(checkpoint.tensors.items())
     head.bind_target(target)
     head.init_rotary(max_position, device)
-    pack_linears_for_cpu(head)
+    pack_linears_for_cpu(head, integer_quantization(head, quantization))
     logger.info("draft head %s from %s: %d layer(s), draft vocab %d", checkpoint.kind, checkpoint.path,
                 head.config.num_hidden_layers, head.draft_vocab_size)
     return head.eval()

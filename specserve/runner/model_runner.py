@@ -11,7 +11,7 @@ import torch
 from specserve.config import ModelConfig
 from specserve.models.attention import KVCache, build_metadata
 from specserve.models.llama import LlamaForCausalLM
-from specserve.models.packed_linear import pack_linears_for_cpu
+from specserve.models.packed_linear import integer_quantization, pack_linears_for_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -156,14 +156,15 @@ def _features(kind: str, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch
 def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                 device: str, max_position: int, quantization: str | None = None) -> LlamaForCausalLM:
     """Materialize the model directly in ``dtype`` on ``device`` and load weights strictly;
-    ``quantization`` "gguf": CPU linears with GGUF blocks run the integer kernels."""
+    ``quantization`` "gguf": CPU linears with GGUF blocks run the integer kernels; "w8a8_int8":
+    those without blocks are rounded to Q8_0 blocks first, so every linear runs them."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.load_weights(weights)
     model.init_rotary(max_position, device)
-    pack_linears_for_cpu(model, quantization)
+    pack_linears_for_cpu(model, integer_quantization(model, quantization))
     return model.eval()
 
 

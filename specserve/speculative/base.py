@@ -63,6 +63,21 @@ class ProposerContext:
     target_path: str | None = None      # the target's checkpoint (NEXTN heads live inside it)
 
 
+def draft_quantization(args: "ServerArgs", device_type: str) -> str | None:
+    """The draft's linear path. SGLang's rule: its own --speculative-draft-model-quantization,
+    else the target's --quantization (CPU only). Beside a gguf target, the draft's linears
+    without GGUF blocks (every EAGLE head, a safetensors STANDALONE draft) are rounded to Q8_0
+    blocks at load (w8a8_int8), so drafting streams a quarter of float32's bytes;
+    ``unquant`` keeps the draft in float."""
+    if device_type != "cpu":
+        return None
+    own = getattr(args, "speculative_draft_model_quantization", None)
+    if own:
+        return None if own == "unquant" else own
+    target = getattr(args, "quantization", None)
+    return "w8a8_int8" if target in ("gguf", "w8a8_int8") else None
+
+
 class Proposer:
     """Drafts one DraftTree per request. Subclasses override ``propose`` and the hooks they need.
 

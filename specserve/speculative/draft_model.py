@@ -44,7 +44,7 @@ import torch
 from specserve.core import Request
 from specserve.runner.model_runner import ExtendSpec, ModelRunner
 from specserve.speculative import dynamic_tree as dt
-from specserve.speculative.base import ProposerContext
+from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
 from specserve.speculative.token_map import read_token_map, restricted_lm_head
@@ -62,7 +62,7 @@ class DraftModelProposer(MirroredDraftProposer):
                                   max_position=ctx.context_len + ctx.params.num_draft_tokens + self.num_steps + 1,
                                   num_kv_slots=self.num_draft_slots, page_size=1, max_rows=ctx.num_rows * self.topk,
                                   max_row_len=ctx.context_len + self.num_steps + 2,
-                                  quantization=_draft_quantization(ctx.server_args, target.device.type))
+                                  quantization=draft_quantization(ctx.server_args, target.device.type))
         self.token_map = self._restrict_to_token_map()      # [V_hot] target ids, or None (whole vocabulary)
 
     def _restrict_to_token_map(self) -> torch.Tensor | None:
@@ -73,7 +73,7 @@ class DraftModelProposer(MirroredDraftProposer):
         model = self.runner.model
         token_map = read_token_map(args.speculative_token_map, model.config.vocab_size, self.topk)
         model.lm_head = restricted_lm_head(model.lm_head, token_map,
-                                           _draft_quantization(args, self.runner.device.type))
+                                           draft_quantization(args, self.runner.device.type))
         logger.info("STANDALONE draft proposes from the %d token ids of %s (FR-Spec)", token_map.numel(),
                     args.speculative_token_map)
         return token_map.to(self.runner.device)
@@ -174,9 +174,3 @@ def _state(req: Request) -> _DraftState:
     return state.proposer
 
 
-def _draft_quantization(args, device_type: str) -> str | None:
-    """SGLang's rule: the draft's own --speculative-draft-model-quantization, else the target's
-    --quantization (CPU only: "gguf" selects the integer kernels there)."""
-    if device_type != "cpu":
-        return None
-    return getattr(args, "speculative_draft_model_quantization", None) or getattr(args, "quantization", None)

@@ -31,7 +31,7 @@ from specserve.core import Request
 from specserve.runner.head_runner import HeadRunner
 from specserve.runner.model_runner import ExtendSpec
 from specserve.speculative import dynamic_tree as dt
-from specserve.speculative.base import ProposerContext
+from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
 from specserve.speculative.tree import DraftTree, truncate_tree
@@ -49,7 +49,8 @@ class EagleProposer(MirroredDraftProposer):
         self.head = load_draft_head(params.algorithm, args.speculative_draft_model_path, target.model,
                                     ctx.target_path, dtype=target.dtype, device=str(target.device),
                                     max_position=ctx.context_len + params.num_draft_tokens + self.num_steps + 2,
-                                    token_map_path=args.speculative_token_map)
+                                    token_map_path=args.speculative_token_map,
+                                    quantization=draft_quantization(args, target.device.type))
         target.model.aux_layer_ids = tuple(self.head.aux_layer_ids)
         target.capture_features = self.head.feature_kind
         self.runner = HeadRunner(self.head, num_kv_slots=self.num_draft_slots,

@@ -26,6 +26,8 @@ SPECS = {
               "speculative_num_draft_tokens": 4},
     "SELF16": {"speculative_algorithm": "STANDALONE", "speculative_num_steps": 15, "speculative_eagle_topk": 1,
                "speculative_num_draft_tokens": 16},
+    "EAGLE3": {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 4, "speculative_eagle_topk": 4,
+               "speculative_num_draft_tokens": 8},     # the shipped head, its linears in Q8_0 blocks
 }
 
 
@@ -65,6 +67,11 @@ def test_the_integer_path_is_in_use(engines):
     model = engines["plain"].engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.int_panels is not None and model.lm_head.int_panels is not None
+
+
+def test_the_draft_head_runs_the_integer_kernel_too(engines):
+    head = engines["EAGLE3"].engine.spec_worker.proposer.head
+    assert head.lm_head.int_panels is not None and head.midlayer.mlp.down_proj.int_panels is not None
 
 
 @pytest.mark.parametrize("algo", list(SPECS))

@@ -225,3 +225,40 @@ def test_without_kernels_gguf_keeps_the_float_path(monkeypatch):
     x = torch.randn(3, 64)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+# ---- w8a8_int8: float weights rounded to Q8_0 blocks at load -----------------------------------
+
+def test_q8_0_codes_are_llama_cpps_blocks():
+    from specserve.kernels.coded import q8_0_codes
+
+    values = np.random.default_rng(7).standard_normal((24, 96)).astype(np.float32) * 0.05
+    values[3, 32:64] = 0.0                           # a block of zeros
+    values[5, :32] = np.linspace(-1, 1, 32)          # codes that land on .5 before rounding
+    reference = block_codes(SimpleNamespace(tensor_type=Q.Q8_0, shape=np.array([96, 24]),
+                                            data=quantize(values, Q.Q8_0)))
+    ours = q8_0_codes(torch.from_numpy(values))
+    assert torch.equal(ours.codes, reference.codes) and torch.equal(ours.scales, reference.scales)
+    assert not ours.mins.any() and int_codes.int_format(ours) == INT_Q8_0
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_int8_puts_float_linears_on_the_integer_kernel(dtype):
+    from specserve.models.packed_linear import Linear, integer_quantization, pack_linears_for_cpu
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(Linear(64, 48, bias=False), Linear(48, 40, bias=False)).to(dtype)
+    odd = Linear(40, 8, bias=False).to(dtype)        # input width not a multiple of 32: left in float
+    model.append(odd)
+    original = model[0].weight.detach().float().clone()
+    pack_linears_for_cpu(model, integer_quantization(model, "w8a8_int8"))
+    assert [m.int_format for m in model] == [INT_Q8_0, 0, 0] and odd.int_panels is None
+    rebuilt = model[0].weight.float()
+    assert (rebuilt - original).abs().max() <= original.abs().max() / 127       # within Q8_0's rounding
+    x = _inputs(5, 64, seed=4)
+    with torch.inference_mode():
+        from specserve.kernels.coded import q8_0_codes
+
+        expected = _int_linear_ref(x.to(dtype), q8_0_codes(original), INT_Q8_0)
+        assert torch.equal(model[0](x.to(dtype)), torch.from_numpy(expected).to(dtype))
