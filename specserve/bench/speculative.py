@@ -100,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="configurations 'steps,topk,draft_tokens;...', an entry 'ALGO:s,k,d' only for "
                              "that algorithm (NGRAM: only draft_tokens matter); default %(default)s")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, choices=("unquant", "gguf", "w8a8_int8"),
+                        help="every engine's linear path (gguf: the integer kernels `make serve` runs)")
+    parser.add_argument("--speculative-policy", default=None, choices=("auto", "always"),
+                        help="auto (the server's default: the policy may decline to speculate) or always "
+                             "(every step speculates: accept lengths of the drafts themselves)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=1, help="requests in flight (default %(default)s)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
@@ -156,7 +161,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     id_lists = serving.tokenize_prompts(args, prompt_list, args.max_new_tokens)
     result: dict[str, Any] = {
         "benchmark": "speculative", "model_path": args.model_path, "algorithm": args.algorithm or "none",
-        "draft_model_path": args.draft_model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "draft_model_path": args.draft_model_path, "dtype": args.dtype, "quantization": args.quantization,
+        "speculative_policy": args.speculative_policy or "auto", "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size, "ignore_eos": args.ignore_eos, "interleaved": True,
         "categories": prompt_data.categories(prompt_list), "num_prompts": len(prompt_list), "configs": []}
     entries, engines = _build_engines(args, runs, id_lists)
@@ -182,8 +188,11 @@ def _build_engines(args, runs, id_lists) -> tuple[list[dict[str, Any]], list[Any
                                  "histogram": {}, "error": None}
         engine = None
         try:
+            policy = args.speculative_policy if spec else None
             engine = serving.make_engine(serving.engine_kwargs(args, args.dtype, max_total_tokens=kv_tokens,
-                                                               max_running_requests=max(args.batch_size, 1), **spec))
+                                                               max_running_requests=max(args.batch_size, 1),
+                                                               quantization=args.quantization,
+                                                               speculative_policy=policy, **spec))
             if spec and engine.engine.spec_worker is None:
                 raise RuntimeError("speculation is off: the draft could not be loaded (see the log)")
             info = engine.engine.get_server_info()
