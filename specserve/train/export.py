@@ -42,6 +42,26 @@ def head_tensors(head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             for name, t in tensors.items()}
 
 
+def model_card(algorithm: str, config: dict, info: dict) -> str:
+    """README.md of an exported head: what it is, what it was trained on, how it did on held-out
+    records (the serving accept length is measured by ``specserve bench speculative``)."""
+    train = info.get("train_config", {})
+    held_out = info.get("held_out_metrics") or {}
+    accs = [f"{held_out[k]:.3f}" for k in sorted(held_out) if k.startswith("val_acc")]
+    lines = [f"# {config['architectures'][0]} draft head", "",
+             f"- algorithm: {algorithm}; hidden {config['hidden_size']}, one decoder layer"
+             + (f", draft vocabulary {config['draft_vocab_size']}" if "draft_vocab_size" in config else ""),
+             f"- target: {train.get('model_path') or 'the default model (SmolLM2-135M-Instruct Q4_1 GGUF)'}",
+             f"- trained by `specserve train-draft`: {info.get('step')} optimizer steps of {train.get('batch_size')} "
+             f"x {train.get('seq_len')} tokens, lr {train.get('lr')}, {train.get('num_ttt_steps')} unrolled steps, "
+             f"warm start: {train.get('init_from') or 'none'}",
+             f"- data: the target's own features in {train.get('capture_dir')}",
+             f"- held-out top-1 agreement with the target per unrolled step: {', '.join(accs) or 'not evaluated'}",
+             "", "Accept lengths and speedups served: `specserve bench speculative --algorithm "
+             f"{algorithm} --draft-model-path THIS_FOLDER --quantization gguf --dtype float32`.", ""]
+    return "\n".join(lines)
+
+
 def export_head(head, algorithm: str, out_dir: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                 extra_info: dict | None = None) -> Path:
     out = Path(out_dir)
@@ -53,6 +73,7 @@ def export_head(head, algorithm: str, out_dir: str | os.PathLike, dtype: torch.d
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if extra_info:
         (out / "training_info.json").write_text(json.dumps(extra_info, indent=2) + "\n")
+        (out / "README.md").write_text(model_card(algorithm, config, extra_info))
     size = (out / "model.safetensors").stat().st_size
     logger.info("exported %s head to %s (%.1f MB)", algorithm, out, size / 1e6)
     return out

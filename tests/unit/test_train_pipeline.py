@@ -307,6 +307,8 @@ def test_cli_runs_every_stage(tiny, answers, tmp_path, capsys):
     assert len(token_map) == 8
     info = json.loads((out / "training_info.json").read_text())
     assert info["step"] == 4
+    card = (out / "README.md").read_text()             # the model card: steps and held-out agreement
+    assert "4 optimizer steps" in card and "per unrolled step: 0." in card
     warm = tmp_path / "warm"          # a new run warm-started from the exported folder takes its vocabulary
     warm.mkdir()
     (warm / "capture").symlink_to(work / "capture")
