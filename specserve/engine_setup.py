@@ -223,7 +223,7 @@ def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: t
         return args
     logger.info("--speculative-algorithm %s: using the shipped draft %s", args.speculative_algorithm, path)
     args = dataclasses.replace(args, speculative_draft_model_path=str(path))
-    shape = measured_shape(args.speculative_algorithm, device, dtype)
+    shape = measured_shape(args.speculative_algorithm, device, dtype, args.quantization)
     if shape is None or any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
                                                     args.speculative_num_draft_tokens)):
         return args

@@ -22,11 +22,14 @@ SUBCOMMANDS = {
     "serving": ("specserve.bench.serving", "N concurrent requests through LLMEngine: throughput, consistency"),
     "speculative": ("specserve.bench.speculative", "speculative parameter sweep vs plain (bench_speculative)"),
     "verify-cost": ("specserve.bench.verify_cost", "forward time over W new tokens on a C-token context"),
+    "shapes": ("specserve.bench.shapes", "the fastest steps/topk/draft tokens per shipped draft here "
+                                         "(--write records them for the engine)"),
     "http": ("specserve.bench.http", "the HTTP server under concurrent streaming load, beside the offline "
                                      "Engine and llama.cpp (bench_serving)"),
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Any], Any]] = {
     "speculative": report.plot_speculative,
+    "shapes": report.plot_speculative,
     "verify-cost": report.plot_verify_cost,
     "serving": report.plot_serving,
     "http": report.plot_http,

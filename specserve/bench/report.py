@@ -61,7 +61,21 @@ def environment() -> dict[str, Any]:
     except ImportError:
         pass
     info["git_commit"] = _git_commit()
+    info["cpu"] = cpu_class()
     return info
+
+
+def cpu_class() -> str:
+    """The CPU's model name and the ISA extensions that pick kernel variants here."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    pairs = (line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
+    name, flags = fields.get("model name", "unknown CPU"), set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{name} ({', '.join(isa) or 'no AVX2'})"
 
 
 def _git_commit() -> str | None:

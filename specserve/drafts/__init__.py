@@ -5,6 +5,7 @@ STANDALONE use these (``specserve train-draft`` made them; README: "Draft traini
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,21 +25,39 @@ def shipped_draft(algorithm: str | None) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
-# (S, K, N) measured fastest for each shipped draft with the default target on a CPU
-# (README, "Measured figures": one bench_speculative run per dtype, 2026-11-22); used
-# when --speculative-num-steps/-eagle-topk/-num-draft-tokens are all left unset.
-MEASURED_SHAPES = {
-    ("EAGLE3", torch.bfloat16): (4, 4, 6),      # 1.18x, accept length 1.77 (2026-11-22)
-    ("EAGLE3", torch.float32): (3, 1, 4),       # 1.01x: verify of 4+ tokens costs too much in fp32
-    ("EAGLE", torch.bfloat16): (5, 4, 8),       # 1.21x with the FR-Spec map, accept length 1.98
-    ("EAGLE", torch.float32): (3, 1, 4),        # 1.04x with the FR-Spec map
-    ("STANDALONE", torch.bfloat16): (1, 1, 2),  # 1.12x
-    ("STANDALONE", torch.float32): (1, 1, 2),   # 1.16x
-}
+MEASURED_SHAPES_FILE = DRAFTS_DIR / "measured_shapes.json"   # written by `specserve bench shapes --write`
 
 
-def measured_shape(algorithm: str | None, device: str, dtype: torch.dtype) -> tuple[int, int, int] | None:
-    """The measured (S, K, N) of the shipped ``algorithm`` draft on ``device`` in ``dtype``."""
+def _read_measured_shapes() -> dict[tuple[str, torch.dtype, str], tuple[int, int, int]]:
+    entries = json.loads(MEASURED_SHAPES_FILE.read_text())["shapes"] if MEASURED_SHAPES_FILE.is_file() else []
+    return {(e["algorithm"], getattr(torch, e["dtype"]), e["quantization"]): tuple(e["shape"]) for e in entries}
+
+
+# (algorithm, dtype, quantization) -> (S, K, N) measured fastest for each shipped draft with the
+# default target on a CPU; used when --speculative-num-steps/-eagle-topk/-num-draft-tokens are
+# all left unset.
+MEASURED_SHAPES = _read_measured_shapes()
+
+
+def measured_shape(algorithm: str | None, device: str, dtype: torch.dtype,
+                   quantization: str | None = None) -> tuple[int, int, int] | None:
+    """The measured (S, K, N) of the shipped ``algorithm`` draft on ``device`` in ``dtype`` with
+    ``quantization`` (None: unquant); a quantization never measured falls back to unquant's."""
     if not str(device).startswith("cpu"):
         return None
-    return MEASURED_SHAPES.get(((algorithm or "").upper(), dtype))
+    algorithm = (algorithm or "").upper()
+    return MEASURED_SHAPES.get((algorithm, dtype, quantization or "unquant"),
+                               MEASURED_SHAPES.get((algorithm, dtype, "unquant")))
+
+
+def record_measured_shapes(entries: list[dict], source: str) -> Path:
+    """Replace the entries of the same (algorithm, dtype, quantization) in the shapes file."""
+    data = json.loads(MEASURED_SHAPES_FILE.read_text()) if MEASURED_SHAPES_FILE.is_file() else {"shapes": []}
+    keys = {(e["algorithm"], e["dtype"], e["quantization"]) for e in entries}
+    kept = [e for e in data["shapes"] if (e["algorithm"], e["dtype"], e["quantization"]) not in keys]
+    data["about"] = "written by `specserve bench shapes --write`; do not edit by hand"
+    data["shapes"] = kept + [dict(e, source=source) for e in entries]
+    MEASURED_SHAPES_FILE.write_text(json.dumps(data, indent=1) + "\n")
+    MEASURED_SHAPES.clear()
+    MEASURED_SHAPES.update(_read_measured_shapes())
+    return MEASURED_SHAPES_FILE

@@ -246,3 +246,20 @@ def test_copy_heavy_is_a_builtin_prompt_set(tmp_path):
     assert [p.category for p in loaded] == ["copy_heavy", "copy_heavy", "a"]
     assert loaded[0].text.startswith("Repeat the following paragraph")
     assert len(prompts.load_prompts(files[:1], None)) == len(prompts.COPY_HEAVY)
+
+
+def test_best_shape_is_the_fastest_lossless_one_per_algorithm():
+    from specserve.bench.shapes import best_shapes
+
+    def entry(algorithm, shape, speedup, identical=4, error=None):
+        spec = dict(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"), shape))
+        return {"spec_kwargs": dict(spec, speculative_algorithm=algorithm), "error": error,
+                "overall": {"speedup": speedup, "verify_ct": 10, "accept_length": 2.0, "identical_to_plain": identical,
+                            "compared": 4}}
+
+    configs = [{"spec_kwargs": {}, "error": None, "overall": {"speedup": 1.0}},         # plain
+               entry("EAGLE3", (3, 1, 4), 1.1), entry("EAGLE3", (5, 4, 8), 1.3),
+               entry("EAGLE3", (6, 8, 16), 1.5, identical=3),                           # an output differs
+               entry("EAGLE", (3, 1, 4), 2.0, error="boom"), entry("EAGLE", (4, 4, 8), 0.9)]
+    winners = {w["algorithm"]: w["shape"] for w in best_shapes(configs)}
+    assert winners == {"EAGLE3": [5, 4, 8], "EAGLE": [4, 4, 8]}

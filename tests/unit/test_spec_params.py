@@ -1,6 +1,8 @@
 """Speculative flags: auto-choice of S/K/N, partial settings, impossible shapes, thresholds."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specserve.config import ConfigError, ModelConfig, ServerArgs
@@ -152,8 +154,25 @@ def test_measured_shapes_of_the_shipped_drafts_are_valid():
     from specserve.drafts import MEASURED_SHAPES, measured_shape
     from specserve.speculative.params import _check_shape
 
-    for (algorithm, dtype), shape in MEASURED_SHAPES.items():
-        assert measured_shape(algorithm.lower(), "cpu", dtype) == shape
-        assert measured_shape(algorithm, "cuda:0", dtype) is None
-        assert shape is None or _check_shape(*shape) == shape
+    assert MEASURED_SHAPES
+    for (algorithm, dtype, quantization), shape in MEASURED_SHAPES.items():
+        assert measured_shape(algorithm.lower(), "cpu", dtype, quantization) == shape
+        assert measured_shape(algorithm, "cuda:0", dtype, quantization) is None
+        assert _check_shape(*shape) == shape
     assert measured_shape("NGRAM", "cpu", torch.float32) is None
+
+
+def test_recorded_shapes_replace_their_key_only(tmp_path, monkeypatch):
+    import torch
+
+    from specserve import drafts
+
+    monkeypatch.setattr(drafts, "MEASURED_SHAPES_FILE", tmp_path / "shapes.json")
+    monkeypatch.setattr(drafts, "MEASURED_SHAPES", {})
+    old = {"algorithm": "EAGLE3", "dtype": "float32", "quantization": "unquant", "shape": [3, 1, 4]}
+    drafts.record_measured_shapes([old, dict(old, quantization="gguf", shape=[5, 4, 8])], source="a")
+    drafts.record_measured_shapes([dict(old, quantization="gguf", shape=[4, 4, 8])], source="b")
+    assert drafts.measured_shape("EAGLE3", "cpu", torch.float32, "gguf") == (4, 4, 8)
+    assert drafts.measured_shape("eagle3", "cpu", torch.float32) == (3, 1, 4)
+    assert drafts.measured_shape("EAGLE3", "cpu", torch.float32, "w8a8_int8") == (3, 1, 4)   # falls back
+    assert len(json.loads((tmp_path / "shapes.json").read_text())["shapes"]) == 2
