@@ -142,26 +142,28 @@ static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16, 
 }
 
 /* norms: {ln1, ln2} in the storage dtype; linears: {qkv, o, gate_up, down}; qkv_bias float32 or
-   NULL; dims: {H, num_heads, num_kv_heads, head_dim, intermediate}. Attention metadata as in
-   paged_attention (kv_dtype: the cache's dtype; new K/V are rounded to it as they are written).
-   Returns 0, or -1 for shapes it does not take. */
-int decoder_layer(void *h, const void *const *norms, const linear_weights *linears, const float *qkv_bias,
-                  float eps, const int *dims,
+   NULL; dims: {H, num_heads, num_kv_heads, head_dim, intermediate, qkv input width}. x_in: NULL
+   (attention reads ln1(h); the input width is H), or the attention's input [T, input width]
+   already formed by the caller (EAGLE-3's midlayer: [ln(embedding), ln(hidden)], 2H wide; ln1
+   unused). Attention metadata as in paged_attention (kv_dtype: the cache's dtype; new K/V are
+   rounded to it as they are written). Returns 0, or -1 for shapes it does not take. */
+int decoder_layer(void *h, const void *x_in, const void *const *norms, const linear_weights *linears,
+                  const float *qkv_bias, float eps, const int *dims,
                   const void *cos, const void *sin, void *k_layer, void *v_layer, const int64_t *out_loc,
                   const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
                   const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
-    const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4];
+    const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
     const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
-    if (H % 8 || I % 8 || q_width % 8 || hd > 512) return -1;
+    if (H % 8 || I % 8 || q_width % 8 || hd > 512 || (x_in == NULL && in_width != H)) return -1;
     char *x = malloc((size_t)T * H * esize), *qkv = malloc((size_t)T * qkv_width * esize);
     char *attn = malloc((size_t)T * q_width * esize), *y = malloc((size_t)T * H * esize);
     char *gate_up = malloc((size_t)T * 2 * I * esize), *act = malloc((size_t)T * I * esize);
     int status = 0;
     double t = profile_clock();
-    rms_norm(h, norms[0], x, T, H, eps, is_bf16);
+    if (x_in == NULL) rms_norm(h, norms[0], x, T, H, eps, is_bf16);
     t = profile_mark(PROF_NORM, t);
-    status |= linear_forward(&linears[0], x, qkv_bias, qkv, T, qkv_width, H, dtype, nthreads);
+    status |= linear_forward(&linears[0], x_in ? x_in : x, qkv_bias, qkv, T, qkv_width, in_width, dtype, nthreads);
     t = profile_mark(PROF_QKV, t);
     rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
     write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16,
@@ -200,7 +202,7 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
     const size_t h_bytes = (size_t)T * dims[0] * (dtype == DTYPE_BF16 ? 2 : 4);
     for (int l = 0; l < num_layers; l++) {
         if (aux_out && aux_out[l]) memcpy(aux_out[l], h, h_bytes);
-        if (decoder_layer(h, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
+        if (decoder_layer(h, NULL, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
                           k_cache + l * layer_bytes, v_cache + l * layer_bytes, out_loc, kv_indices, mask,
                           row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads))
             return -1;

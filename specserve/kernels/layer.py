@@ -23,7 +23,7 @@ class LayerWeights:
     norms: ctypes.Array                     # ln1, ln2
     linears: ctypes.Array                   # qkv, o, gate_up, down (their tensors: the caller's)
     qkv_bias: torch.Tensor | None           # float32
-    dims: ctypes.Array                      # hidden, heads, kv heads, head dim, intermediate
+    dims: ctypes.Array                      # hidden, heads, kv heads, head dim, intermediate, qkv input width
     eps: float
 
 
@@ -33,11 +33,15 @@ def is_available() -> bool:
 
 def layer_weights(ln1: torch.Tensor, ln2: torch.Tensor, linears: tuple[LinearWeights, ...],
                   qkv_bias: torch.Tensor | None, hidden_size: int, intermediate_size: int,
-                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> LayerWeights:
-    """``linears``: qkv, o, gate_up and down, whose tensors must outlive the result."""
+                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                  input_size: int | None = None) -> LayerWeights:
+    """``linears``: qkv, o, gate_up and down, whose tensors must outlive the result;
+    ``input_size``: qkv's input width when the caller forms that input (``decoder_layer``'s
+    ``x_in``; default ``hidden_size``)."""
     tensors = tuple(t.detach().contiguous() for t in (ln1, ln2))
     norms = (ctypes.c_void_p * 2)(*(t.data_ptr() for t in tensors))
-    dims = (ctypes.c_int * 5)(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size)
+    dims = (ctypes.c_int * 6)(hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
+                              input_size or hidden_size)
     bias = None if qkv_bias is None else qkv_bias.detach().float().contiguous()
     return LayerWeights(tensors, norms, (LinearWeights * 4)(*linears), bias, dims, eps)
 
@@ -45,14 +49,15 @@ def layer_weights(ln1: torch.Tensor, ln2: torch.Tensor, linears: tuple[LinearWei
 def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
                   k_layer: torch.Tensor, v_layer: torch.Tensor, out_cache_loc: torch.Tensor,
                   kv_indices: torch.Tensor, query_mask: torch.Tensor, row_batch: torch.Tensor,
-                  row_query: torch.Tensor) -> None:
+                  row_query: torch.Tensor, x_in: torch.Tensor | None = None) -> None:
     """h [T, H] contiguous (updated in place); cos/sin [T, head_dim] in h's dtype; the new
     tokens' K/V go to ``out_cache_loc`` of k_layer/v_layer [S, kv heads, head_dim]; attention
-    metadata as in ``attention.paged_attention``."""
+    metadata as in ``attention.paged_attention``. ``x_in`` [T, input width] contiguous: the
+    attention's input formed by the caller (then the layer's first norm is not applied)."""
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
     status = _function()(
-        h.data_ptr(), ctypes.addressof(weights.norms), ctypes.addressof(weights.linears),
+        h.data_ptr(), None if x_in is None else x_in.data_ptr(), ctypes.addressof(weights.norms), ctypes.addressof(weights.linears),
         None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
         ctypes.addressof(weights.dims), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
         k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
@@ -117,7 +122,7 @@ def _stack_function():
 
 @functools.cache
 def _function():
-    return build.function("decoder_layer", [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 10
+    return build.function("decoder_layer", [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 10
                           + [ctypes.c_int] * 6)
 
 

@@ -47,6 +47,10 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache, meta,
                 backend) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)    # [T, 2H]
+        if self.runs_native(x.shape[0], meta):      # the rest in one native call, from x
+            h = hidden.contiguous().clone()
+            self.forward_native(h, cos, sin, cache, meta, x_in=x)
+            return h
         h = hidden + self.self_attn(x, cos, sin, cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 

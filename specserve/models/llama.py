@@ -85,14 +85,21 @@ class LlamaDecoderLayer(nn.Module):
         8-bit input quantization can turn into a different code)."""
         return bool(self._native_linears) and all(m.int_panels is not None for m in self._native_linears)
 
-    def forward_native(self, h: torch.Tensor, cos, sin, cache, meta) -> None:
-        """The layer in one native call, for decode-shaped forwards (``meta.row_batch`` set);
-        updates ``h`` in place. The weights' addresses are taken on the first call: the
-        weights must not be replaced afterwards (serving never does)."""
+    def runs_native(self, num_rows: int, meta) -> bool:
+        """Whether this forward runs natively: kernels built, and decode-shaped (row-invariant)
+        or every linear integer."""
+        return (meta.row_batch is not None and self.can_run_native(num_rows)
+                and (meta.row_invariant or self.is_integer()))
+
+    def forward_native(self, h: torch.Tensor, cos, sin, cache, meta, x_in: torch.Tensor | None = None) -> None:
+        """The layer in one native call (``runs_native``); updates ``h`` in place. ``x_in``: the
+        attention's input when the caller forms it (ln1 then unused). The weights' addresses
+        are taken on the first call: the weights must not be replaced afterwards (serving never
+        does)."""
         attn = self.self_attn
         native_layer.decoder_layer(h, self.native_weights(), cos, sin, cache.k[attn.layer_id],
                                    cache.v[attn.layer_id], meta.out_cache_loc, meta.kv_indices, meta.query_mask,
-                                   meta.row_batch, meta.row_query)
+                                   meta.row_batch, meta.row_query, x_in)
 
     def native_weights(self) -> native_layer.LayerWeights:
         """The layer's weights for the native call, built once (the weights must not be replaced
@@ -103,8 +110,8 @@ class LlamaDecoderLayer(nn.Module):
             self._native = native_layer.layer_weights(
                 self.input_layernorm.weight, self.post_attention_layernorm.weight,
                 tuple(linear.skinny_weights() for linear in linears), attn.qkv_proj.bias,
-                attn.qkv_proj.in_features, mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads,
-                attn.head_dim, self.input_layernorm.eps)
+                attn.o_proj.out_features, mlp.down_proj.in_features, attn.num_heads, attn.num_kv_heads,
+                attn.head_dim, self.input_layernorm.eps, input_size=attn.qkv_proj.in_features)
         return self._native
 
 
@@ -154,8 +161,7 @@ class LlamaForCausalLM(nn.Module):
             h = self.model.norm(h)
             return (h, aux) if self.aux_layer_ids else h
         for i, layer in enumerate(self.model.layers):
-            is_native = (meta.row_batch is not None and layer.can_run_native(h.shape[0])  # kernels built
-                         and (meta.row_invariant or layer.is_integer()))      # decode-shaped, or integer
+            is_native = layer.runs_native(h.shape[0], meta)
             if i in self.aux_layer_ids:
                 aux.append(h.clone() if is_native else h)
             if is_native:

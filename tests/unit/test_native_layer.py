@@ -141,3 +141,33 @@ def test_the_native_stack_captures_eagle3_layer_inputs_as_the_layer_path_does():
     (h_stack, aux_stack), (h_layers, aux_layers) = runs
     assert torch.equal(h_stack, h_layers)
     assert len(aux_stack) == 2 and all(torch.equal(a, b) for a, b in zip(aux_stack, aux_layers))
+
+
+def test_eagle3_midlayer_runs_natively_from_its_2h_wide_input():
+    """EAGLE-3's midlayer (attention over [ln(embedding), ln(hidden)], residual = hidden) in one
+    native call from the caller-formed input computes what its torch path computes."""
+    from specserve.models.eagle3 import Eagle3DecoderLayer
+
+    torch.manual_seed(0)
+    layer = Eagle3DecoderLayer(CFG)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    layer = layer.eval()
+    pack_linears_for_cpu(layer)
+    embeds, hidden = torch.randn(5, CFG.hidden_size), torch.randn(5, CFG.hidden_size)
+    kv_indices = torch.full((2, 100), PAD_SLOT, dtype=torch.int64)
+    kv_indices[0, :33], kv_indices[1, :14] = torch.arange(100, 133), torch.arange(200, 214)
+    meta = build_metadata([30, 12], [3, 2], kv_indices, torch.tensor([130, 131, 132, 212, 213]),
+                          num_kv_groups=CFG.num_attention_heads // CFG.num_key_value_heads, pad_slot=PAD_SLOT)
+    cos, sin = RotaryEmbedding(CFG.head_dim, 256, CFG.rope_theta).cos_sin(torch.tensor([30, 31, 32, 12, 13]),
+                                                                        torch.float32)
+    outs, caches = [], []
+    for native in (True, False):
+        cache = _cache(torch.float32)
+        layer.runs_native = (lambda n, m: True) if native else (lambda n, m: False)
+        with torch.inference_mode():
+            outs.append(layer(embeds, hidden, cos, sin, cache, meta, TorchSDPABackend()))
+        caches.append(cache)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(outs[0], hidden)
