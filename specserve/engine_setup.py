@@ -76,6 +76,9 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     except (OSError, ValueError, ConfigError) as exc:
         _fall_back_to_plain(args, exc)
         spec = draft = None
+    if draft is not None and draft[2] is not None and args.speculative_token_map is not None:
+        raise ConfigError(f"--speculative-token-map: the draft {args.speculative_draft_model_path} carries its own "
+                          f"(pruned) vocabulary; leave the token map out")
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
     kv_bpt = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
@@ -109,9 +112,11 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     if spec is not None:
         from specserve.speculative.base import ProposerContext, create_spec_worker
 
+        draft_checkpoint, draft_vocab_ids = (None, None) if draft is None else (draft[:2], draft[2])
         try:
             spec_worker = create_spec_worker(ProposerContext(args, spec, cfg, runner, pool, max_running,
-                                                             context_len, draft, model_path))
+                                                             context_len, draft_checkpoint, model_path,
+                                                             draft_vocab_ids=draft_vocab_ids))
         except (OSError, ValueError, KeyError, ConfigError) as exc:
             _fall_back_to_plain(args, exc)
             runner.capture_features, runner.model.aux_layer_ids = None, ()
@@ -251,11 +256,18 @@ def _fall_back_to_plain(args: ServerArgs, exc: Exception) -> None:
 
 
 def _read_draft(args: ServerArgs, spec, cfg: ModelConfig, tokenizer: Tokenizer):
-    """(config, weights) of the STANDALONE draft model, checked against the target's vocabulary."""
+    """(config, weights, vocabulary ids or None) of the STANDALONE draft model, checked against
+    the target's vocabulary (a pruned-vocabulary draft: its ``d2t`` against the target's ids)."""
     if spec is None or spec.algorithm != "STANDALONE":
         return None
+    from specserve.speculative.token_map import split_draft_vocab
+
     path = args.speculative_draft_model_path
     draft_cfg, weights = read_checkpoint(path)
+    weights, vocab_ids = split_draft_vocab(weights)
+    if vocab_ids is not None:
+        _check_draft_vocab(path, vocab_ids, draft_cfg, cfg)
+        return draft_cfg, weights, vocab_ids
     if draft_cfg.vocab_size != cfg.vocab_size:
         raise ConfigError(f"--speculative-draft-model-path {path}: vocabulary size {draft_cfg.vocab_size} "
                           f"differs from the target's {cfg.vocab_size}")
@@ -263,11 +275,21 @@ def _read_draft(args: ServerArgs, spec, cfg: ModelConfig, tokenizer: Tokenizer):
         draft_tokenizer = Tokenizer.load(path)
     except FileNotFoundError:
         logger.warning("draft model %s has no tokenizer; only its vocabulary size was checked", path)
-        return draft_cfg, weights
+        return draft_cfg, weights, None
     if draft_tokenizer.backend.get_vocab(with_added_tokens=True) != tokenizer.backend.get_vocab(
             with_added_tokens=True):
         raise ConfigError(f"--speculative-draft-model-path {path}: its tokenizer differs from the target's")
-    return draft_cfg, weights
+    return draft_cfg, weights, None
+
+
+def _check_draft_vocab(path: str, vocab_ids: torch.Tensor, draft_cfg: ModelConfig, cfg: ModelConfig) -> None:
+    flag = f"--speculative-draft-model-path {path}"
+    if vocab_ids.numel() != draft_cfg.vocab_size:
+        raise ConfigError(f"{flag}: its d2t maps {vocab_ids.numel()} ids, its vocabulary has {draft_cfg.vocab_size}")
+    in_range = 0 <= int(vocab_ids.min()) and int(vocab_ids.max()) < cfg.vocab_size
+    if not in_range or vocab_ids.unique().numel() != vocab_ids.numel():
+        raise ConfigError(f"{flag}: its d2t does not map to distinct ids of the target's vocabulary "
+                          f"of {cfg.vocab_size}")
 
 
 def _draft_bytes(draft, spec, cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:

@@ -61,6 +61,7 @@ class ProposerContext:
     context_len: int
     draft_checkpoint: tuple["ModelConfig", Iterable] | None = None
     target_path: str | None = None      # the target's checkpoint (NEXTN heads live inside it)
+    draft_vocab_ids: torch.Tensor | None = None   # a pruned-vocabulary draft's target ids (STANDALONE)
 
 
 def draft_quantization(args: "ServerArgs", device_type: str) -> str | None:

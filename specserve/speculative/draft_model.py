@@ -1,4 +1,4 @@
-"""STANDALONE proposer: a small causal LM with the target's vocabulary drafts a
+"""STANDALONE proposer: a small causal LM with the target's tokenizer drafts a
 dynamic tree (``dynamic_tree.py``; K == 1 gives a chain).
 
 Draft KV layout. The draft has its own ModelRunner (its layers, its KV tensors,
@@ -25,6 +25,10 @@ Per decode step, for the requests the policy lets speculate:
 2. S - 1 frontier steps, one forward of K tokens per request each;
 3. rerank the pool to N nodes.
 
+A pruned-vocabulary draft (``train/prune_vocab.py``: its checkpoint carries ``d2t`` as EAGLE-3
+heads do) embeds and proposes only its own ids: target ids are mapped to draft ids on the way
+in (ids it dropped share its last row) and its logits map back like FR-Spec's below.
+
 FR-Spec (``--speculative-token-map``): the draft's LM head keeps only the map's rows
 (``token_map.py``), so its logits are [T, V_hot] and the tree builder maps hot indices
 back to target ids; a step then costs a fraction of the full head's [T, V] matmul.
@@ -47,7 +51,7 @@ from specserve.speculative import dynamic_tree as dt
 from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
-from specserve.speculative.token_map import read_token_map, restricted_lm_head
+from specserve.speculative.token_map import input_id_map, read_token_map, restricted_lm_head
 from specserve.speculative.tree import DraftTree, truncate_tree
 
 logger = logging.getLogger(__name__)
@@ -63,7 +67,13 @@ class DraftModelProposer(MirroredDraftProposer):
                                   num_kv_slots=self.num_draft_slots, page_size=1, max_rows=ctx.num_rows * self.topk,
                                   max_row_len=ctx.context_len + self.num_steps + 2,
                                   quantization=draft_quantization(ctx.server_args, target.device.type))
-        self.token_map = self._restrict_to_token_map()      # [V_hot] target ids, or None (whole vocabulary)
+        self.input_map: list[int] | None = None              # target id -> draft id (a pruned vocabulary)
+        if ctx.draft_vocab_ids is not None:                   # the draft's own vocabulary
+            self.token_map = ctx.draft_vocab_ids.to(self.runner.device)
+            self.input_map = input_id_map(ctx.draft_vocab_ids, ctx.target_config.vocab_size)
+            logger.info("STANDALONE draft with a pruned vocabulary of %d target ids", self.token_map.numel())
+        else:
+            self.token_map = self._restrict_to_token_map()  # [V_hot] target ids, or None (whole vocabulary)
 
     def _restrict_to_token_map(self) -> torch.Tensor | None:
         """FR-Spec: replace the draft's LM head by its ``--speculative-token-map`` rows."""
@@ -120,8 +130,8 @@ class DraftModelProposer(MirroredDraftProposer):
                 state.needs_sync = False
             start = state.draft_len
             slots = req.kv_slots[start:] + item.new_slots[:1]
-            specs.append(ExtendSpec(row=row, prefix_len=start, token_ids=tail_ids(req, req.seq_len - start),
-                                    new_slots=slots))
+            token_ids = self._draft_ids(tail_ids(req, req.seq_len - start))
+            specs.append(ExtendSpec(row=row, prefix_len=start, token_ids=token_ids, new_slots=slots))
             self._mark(slots, True)
             state.draft_len = req.seq_len
         return self.runner.forward(specs)
@@ -149,9 +159,15 @@ class DraftModelProposer(MirroredDraftProposer):
             base, committed = self._base_row(engine, item.req), item.req.seq_len
             for k in range(self.topk):
                 self.runner.set_row_slots(base + k, committed, paths[b][k])
-                specs.append(ExtendSpec(row=base + k, prefix_len=committed + step - 1, token_ids=[tokens[b][k]],
+                specs.append(ExtendSpec(row=base + k, prefix_len=committed + step - 1,
+                                        token_ids=self._draft_ids([tokens[b][k]]),
                                         new_slots=[self._scratch(b, step, k)]))
         return specs
+
+    def _draft_ids(self, target_ids: list[int]) -> list[int]:
+        """The draft's ids of target tokens (the same ids unless the draft's vocabulary is pruned)."""
+        table = self.input_map
+        return target_ids if table is None else [table[t] for t in target_ids]
 
     # ---- cost -------------------------------------------------------------------------
     def measure_cost(self) -> None:

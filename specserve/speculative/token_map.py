@@ -16,9 +16,10 @@ from torch import nn
 
 from specserve.config import ConfigError
 from specserve.models.draft_head import load_token_map
-from specserve.models.packed_linear import Linear, pack_linears_for_cpu
+from specserve.models.packed_linear import Linear, integer_quantization, pack_linears_for_cpu
 
 FLAG = "--speculative-token-map"
+DRAFT_VOCAB_TENSOR = "d2t"         # a pruned-vocabulary draft: draft id i <-> target id i + d2t[i] (EAGLE-3's rule)
 _READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError)
 
 
@@ -34,6 +35,29 @@ def read_token_map(path: str, vocab_size: int, topk: int = 1) -> torch.Tensor:
     if problem:
         raise ConfigError(f"{FLAG} {path}: {problem}")
     return ids
+
+
+def split_draft_vocab(weights) -> tuple[list, torch.Tensor | None]:
+    """A draft checkpoint's tensors without its ``d2t``, and the target ids of its vocabulary
+    (int64 [V_draft], in draft id order), or None for a draft with the target's vocabulary."""
+    kept, d2t = [], None
+    for name, tensor in weights:
+        if name == DRAFT_VOCAB_TENSOR:
+            d2t = tensor
+        else:
+            kept.append((name, tensor))
+    if d2t is None:
+        return kept, None
+    return kept, torch.arange(d2t.numel()) + d2t.to(torch.int64)
+
+
+def input_id_map(vocab_ids: torch.Tensor, target_vocab_size: int) -> list[int]:
+    """Target id -> draft id of a pruned-vocabulary draft; ids outside its vocabulary go to its
+    last id (the pruning tool makes that row stand for every token it dropped)."""
+    table = [len(vocab_ids) - 1] * target_vocab_size
+    for draft_id, target_id in enumerate(vocab_ids.tolist()):
+        table[target_id] = draft_id
+    return table
 
 
 def _problem(ids: torch.Tensor, vocab_size: int, topk: int) -> str | None:
@@ -58,5 +82,5 @@ def restricted_lm_head(full: Linear, token_map: torch.Tensor, quantization: str 
     head.weight = nn.Parameter(weight, requires_grad=False)
     if full.bias is not None:
         head.bias = nn.Parameter(full.bias.detach().index_select(0, rows), requires_grad=False)   # [V_hot]
-    pack_linears_for_cpu(head, quantization)
+    pack_linears_for_cpu(head, integer_quantization(head, quantization))
     return head.eval()
