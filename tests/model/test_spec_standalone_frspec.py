@@ -1,5 +1,5 @@
-"""STANDALONE with an FR-Spec token map (``--speculative-token-map``): the shipped SmolLM2
-draft with the shipped 8k map drafts only ids of the map, its LM head holds only the map's
+"""STANDALONE with an FR-Spec token map (``--speculative-token-map``): a full-vocabulary draft
+(the target's first 2 and last 2 layers) with the shipped 8k map drafts only ids of the map, its LM head holds only the map's
 rows, and greedy output equals plain decoding token for token (the target verifies every
 drafted token). ``--speculative-policy always`` so every decode step really speculates.
 """
@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from specserve.config import ConfigError
-from specserve.drafts import FRSPEC_TOKEN_MAP, shipped_draft
+from specserve.drafts import FRSPEC_TOKEN_MAP
 from specserve.engine import Engine
+from specserve.speculative.truncated_draft import write_truncated_draft
 
 ENGINE_KW = {"dtype": "float32", "max_total_tokens": 4096, "context_length": 1024}
 PROMPTS = ("Write a haiku about the sea.", "What is 17 times 23? Explain step by step.",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"")
-SHAPES = {"shipped": {}, "tree": {"speculative_num_steps": 3, "speculative_eagle_topk": 2,
+SHAPES = {"auto": {}, "tree": {"speculative_num_steps": 3, "speculative_eagle_topk": 2,
                                   "speculative_num_draft_tokens": 6}}
 
 
@@ -25,12 +26,13 @@ def hot_ids() -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def engines(default_gguf_path) -> dict[str, Engine]:
-    if shipped_draft("STANDALONE") is None:
-        pytest.skip("no shipped STANDALONE draft in specserve/drafts")
+def engines(default_gguf_path, tmp_path_factory) -> dict[str, Engine]:
+    draft = write_truncated_draft(default_gguf_path, tmp_path_factory.mktemp("draft4"), num_layers=4, num_last=2,
+                                  dtype=torch.bfloat16)
     built = {"plain": Engine(model_path=default_gguf_path, **ENGINE_KW)}
     for name, shape in SHAPES.items():
         built[name] = Engine(model_path=default_gguf_path, speculative_algorithm="STANDALONE",
+                             speculative_draft_model_path=str(draft),
                              speculative_token_map=str(FRSPEC_TOKEN_MAP), speculative_policy="always",
                              **ENGINE_KW, **shape)
     return built

@@ -1,15 +1,18 @@
-"""STANDALONE with a pruned vocabulary (``train/prune_vocab.py``): the shipped SmolLM2 draft cut
-to the 512 ids plain decoding of the test prompts uses most loads with its ``d2t``, drafts only
-those ids, and greedy output equals plain decoding token for token on both linear paths."""
+"""STANDALONE with a pruned vocabulary (``train/prune_vocab.py``): a full-vocabulary draft (the
+target's first 4 and last 4 layers) cut to the 512 ids plain decoding of the test prompts uses most loads
+with its ``d2t``, drafts only those ids, and greedy output equals plain decoding token for token
+on both linear paths."""
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
+import torch
 
 from specserve.config import ConfigError
-from specserve.drafts import FRSPEC_TOKEN_MAP, shipped_draft
+from specserve.drafts import FRSPEC_TOKEN_MAP
 from specserve.engine import Engine
+from specserve.speculative.truncated_draft import write_truncated_draft
 from specserve.train.prune_vocab import prune_draft_vocab
 
 ENGINE_KW = {"dtype": "float32", "max_total_tokens": 4096, "context_length": 1024}
@@ -21,9 +24,8 @@ SIZE = 512
 
 @pytest.fixture(scope="module")
 def setup(default_gguf_path, tmp_path_factory):
-    draft = shipped_draft("STANDALONE")
-    if draft is None:
-        pytest.skip("no shipped STANDALONE draft in specserve/drafts")
+    draft = write_truncated_draft(default_gguf_path, tmp_path_factory.mktemp("draft8"), num_layers=8,
+                                  num_last=4, dtype=torch.bfloat16)
     plain = Engine(model_path=default_gguf_path, **ENGINE_KW)
     tok = plain.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
@@ -61,10 +63,16 @@ def test_pruned_draft_is_lossless_and_drafts_its_own_ids(setup, default_gguf_pat
     assert sum(o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1) for o in got) > 0
 
 
-def test_pruned_draft_file_is_smaller_and_refuses_a_token_map(setup, default_gguf_path):
-    _, _, _, pruned, draft = setup
-    size = sum(f.stat().st_size for f in pruned.iterdir())
-    assert size < 0.3 * sum(f.stat().st_size for f in draft.iterdir() if f.suffix == ".safetensors")
+def test_pruned_draft_keeps_its_rows_only_and_refuses_a_token_map(setup, default_gguf_path):
+    from safetensors import safe_open
+
+    _, _, outputs, pruned, _ = setup
+    with safe_open(str(pruned / "model.safetensors"), framework="pt") as f:
+        embedding, d2t = f.get_tensor("model.embed_tokens.weight"), f.get_tensor("d2t")
+    assert embedding.shape[0] == d2t.numel() == SIZE
+    vocab = (d2t + torch.arange(SIZE)).tolist()
+    most_frequent = Counter(t for out in outputs for t in out).most_common(1)[0][0]
+    assert vocab[0] == most_frequent and len(set(vocab)) == SIZE
     with pytest.raises(ConfigError, match="--speculative-token-map"):
         Engine(model_path=default_gguf_path, speculative_algorithm="STANDALONE",
                speculative_draft_model_path=str(pruned), speculative_token_map=str(FRSPEC_TOKEN_MAP), **ENGINE_KW)
