@@ -88,8 +88,9 @@ class LlamaDecoderLayer(nn.Module):
     def runs_native(self, num_rows: int, meta) -> bool:
         """Whether this forward runs natively: kernels built, and decode-shaped (row-invariant)
         or every linear integer."""
-        return (meta.row_batch is not None and self.can_run_native(num_rows)
-                and (meta.row_invariant or self.is_integer()))
+        if getattr(meta, "row_batch", None) is None:     # not the serving metadata (e.g. training's)
+            return False
+        return self.can_run_native(num_rows) and (meta.row_invariant or self.is_integer())
 
     def forward_native(self, h: torch.Tensor, cos, sin, cache, meta, x_in: torch.Tensor | None = None) -> None:
         """The layer in one native call (``runs_native``); updates ``h`` in place. ``x_in``: the
