@@ -55,9 +55,11 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
     metadata as in ``attention.paged_attention``. ``x_in`` [T, input width] contiguous: the
     attention's input formed by the caller (then the layer's first norm is not applied)."""
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
+    x_in = None if x_in is None else x_in.contiguous()
     batch, num_queries, num_keys = query_mask.shape
     status = _function()(
-        h.data_ptr(), None if x_in is None else x_in.data_ptr(), ctypes.addressof(weights.norms), ctypes.addressof(weights.linears),
+        h.data_ptr(), None if x_in is None else x_in.data_ptr(), ctypes.addressof(weights.norms),
+        ctypes.addressof(weights.linears),
         None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
         ctypes.addressof(weights.dims), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
         k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
