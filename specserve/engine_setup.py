@@ -20,7 +20,7 @@ from specserve.loading.hub import resolve_file
 from specserve.loading.loader import (check_architecture, check_load_format, checkpoint_format, read_checkpoint,
                                       resolve_model_path)
 from specserve.models.attention import KVCache, get_backend
-from specserve.models.packed_linear import has_packed_kernels, warm_up_packed_linears
+from specserve.models.packed_linear import Q8_ON_LOAD_QUANTIZATION, has_packed_kernels, warm_up_packed_linears
 from specserve.runner.memory import MemoryBudgetError, plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype, resolve_kv_dtype
 from specserve.scheduler import Scheduler
@@ -314,7 +314,7 @@ def _coded_weight_bytes(model_path: str, device: str, dtype: torch.dtype, quanti
     draft's size again at most, left to the budget's slack."""
     if device != "cpu" or not skinny.is_available():
         return 0
-    if quantization == "w8a8_int8":
+    if quantization == Q8_ON_LOAD_QUANTIZATION:
         return model_bytes(cfg, torch.int8) * 34 // 32
     if checkpoint_format(model_path) != "gguf":
         return 0

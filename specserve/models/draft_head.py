@@ -195,6 +195,12 @@ def load_token_map(path: str) -> torch.Tensor:
     return torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True), dtype=torch.int64).flatten()
 
 
+def draft_vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """Target ids of a draft vocabulary given as EAGLE-3's ``d2t`` (draft id i <-> target id
+    i + d2t[i]), int64, in draft id order."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
+
+
 def read_hf_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(config.json as a dict, every tensor)`` of an HF-style directory (draft heads are small)."""
     directory = _hf_dir(path)

@@ -20,7 +20,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.models.attention import AttentionMetadata, KVCache
-from specserve.models.draft_head import DraftCheckpoint, DraftHead, strip_model_prefix
+from specserve.models.draft_head import DraftCheckpoint, DraftHead, draft_vocab_ids, strip_model_prefix
 from specserve.models.layers import RMSNorm
 from specserve.models.llama import LlamaDecoderLayer
 from specserve.models.packed_linear import Linear
@@ -48,7 +48,7 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
                 backend) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)    # [T, 2H]
         if self.runs_native(x.shape[0], meta):      # the rest in one native call, from x
-            h = hidden.contiguous().clone()
+            h = hidden.clone(memory_format=torch.contiguous_format)
             self.forward_native(h, cos, sin, cache, meta, x_in=x)
             return h
         h = hidden + self.self_attn(x, cos, sin, cache, meta, backend)
@@ -141,7 +141,7 @@ class Eagle3Head(DraftHead):
         if tuple(d2t.shape) != (draft_vocab,) or d2t.is_floating_point():
             raise WeightLoadError(f"checkpoint tensor 'd2t' has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, "
                                   f"expected ({draft_vocab},) integers")
-        target_ids = torch.arange(draft_vocab, device=d2t.device) + d2t.to(torch.int64)
+        target_ids = draft_vocab_ids(d2t)
         if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab:
             raise WeightLoadError(f"checkpoint tensor 'd2t' maps draft ids outside the vocabulary [0, {vocab})")
         self.d2t = d2t.to(device=self.fc.weight.device, dtype=torch.int64)

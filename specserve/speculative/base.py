@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from specserve.core import TokenResult
+from specserve.models.packed_linear import INTEGER_QUANTIZATION, Q8_ON_LOAD_QUANTIZATION
 from specserve.speculative import target_verify as tv
 from specserve.speculative.params import SpecParams
 from specserve.speculative.policy import CostCurve, SpecPolicy, measure_cost_curve
@@ -76,7 +77,8 @@ def draft_quantization(args: "ServerArgs", device_type: str) -> str | None:
     if own:
         return None if own == "unquant" else own
     target = getattr(args, "quantization", None)
-    return "w8a8_int8" if target in ("gguf", "w8a8_int8") else None
+    integer = (INTEGER_QUANTIZATION, Q8_ON_LOAD_QUANTIZATION)
+    return Q8_ON_LOAD_QUANTIZATION if target in integer else None
 
 
 class Proposer:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from specserve.config import ConfigError
-from specserve.models.draft_head import load_token_map
+from specserve.models.draft_head import draft_vocab_ids, load_token_map
 from specserve.models.packed_linear import Linear, integer_quantization, pack_linears_for_cpu
 
 FLAG = "--speculative-token-map"
@@ -46,9 +46,7 @@ def split_draft_vocab(weights) -> tuple[list, torch.Tensor | None]:
             d2t = tensor
         else:
             kept.append((name, tensor))
-    if d2t is None:
-        return kept, None
-    return kept, torch.arange(d2t.numel()) + d2t.to(torch.int64)
+    return kept, None if d2t is None else draft_vocab_ids(d2t)
 
 
 def input_id_map(vocab_ids: torch.Tensor, target_vocab_size: int) -> list[int]:

@@ -47,7 +47,7 @@ def model_card(algorithm: str, config: dict, info: dict) -> str:
     records (the serving accept length is measured by ``specserve bench speculative``)."""
     train = info.get("train_config", {})
     held_out = info.get("held_out_metrics") or {}
-    accs = [f"{held_out[k]:.3f}" for k in sorted(held_out) if k.startswith("val_acc")]
+    accs = [f"{v:.3f}" for k, v in held_out.items() if k.startswith("val_acc")]    # in step order
     lines = [f"# {config['architectures'][0]} draft head", "",
              f"- algorithm: {algorithm}; hidden {config['hidden_size']}, one decoder layer"
              + (f", draft vocabulary {config['draft_vocab_size']}" if "draft_vocab_size" in config else ""),

@@ -69,7 +69,3 @@ def draft_vocab_maps(ids: list[int], vocab_size: int) -> tuple[torch.Tensor, tor
     t2d[used] = True
     return d2t, t2d
 
-
-def draft_vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """Target ids of the draft vocabulary, from ``d2t``."""
-    return d2t + torch.arange(len(d2t), device=d2t.device)

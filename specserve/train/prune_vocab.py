@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from specserve.loading.safetensors import read_safetensors_dir
+from specserve.speculative.token_map import DRAFT_VOCAB_TENSOR
 from specserve.train.frspec import count_tokens, top_frequent_ids
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -36,14 +37,14 @@ def prune_draft_vocab(draft_dir: str | Path, counts, size: int, out_dir: str | P
     if not 2 <= size < vocab_size:
         raise ValueError(f"--size must be in [2, {vocab_size}) (the draft's vocabulary); got {size}")
     tensors = dict(read_safetensors_dir(draft_dir)[1])
-    if "d2t" in tensors:
+    if DRAFT_VOCAB_TENSOR in tensors:
         raise ValueError(f"--draft {draft_dir}: its vocabulary is pruned already")
     eos = config.get("eos_token_id")
     always = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])   # it must be able to stop
     ids = torch.tensor(top_frequent_ids(counts, size, vocab_size, always))   # most frequent first
     out = {name: t for name, t in tensors.items() if name not in (EMBEDDING, UNTIED_HEAD)}
     out.update({name: _pruned_rows(tensors[name], ids) for name in (EMBEDDING, UNTIED_HEAD) if name in tensors})
-    out["d2t"] = ids - torch.arange(size)
+    out[DRAFT_VOCAB_TENSOR] = ids - torch.arange(size)
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})

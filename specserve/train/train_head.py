@@ -30,9 +30,10 @@ from tqdm import tqdm
 
 from specserve.config import ModelConfig
 from specserve.loading.loader import read_checkpoint, resolve_model_path
+from specserve.models.draft_head import draft_vocab_ids
 from specserve.models.llama import LlamaForCausalLM
 from specserve.train.dataset import Batch, BatchLoader, CaptureDataset, shift, split_records, step_view
-from specserve.train.frspec import draft_vocab_ids, draft_vocab_maps
+from specserve.train.frspec import draft_vocab_maps
 from specserve.train.ttt import TTTBackend, TTTCache, TTTMeta
 
 logger = logging.getLogger(__name__)
@@ -489,7 +490,7 @@ def exported_vocab_ids(tensors: dict[str, torch.Tensor], folder) -> list[int]:
     """Target ids of an exported EAGLE3 head's draft vocabulary (from its ``d2t``)."""
     if "d2t" not in tensors:
         raise ValueError(f"--init-from {folder}: not an EAGLE3 head with a draft vocabulary (no d2t tensor)")
-    return draft_vocab_ids(tensors["d2t"].to(torch.int64)).tolist()
+    return draft_vocab_ids(tensors["d2t"]).tolist()
 
 
 def _save_atomically(state: dict, path: Path) -> None:

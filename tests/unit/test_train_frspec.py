@@ -7,9 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from specserve.models.draft_head import load_token_map
-from specserve.train.frspec import (count_tokens, draft_vocab_ids, draft_vocab_maps, top_frequent_ids,
-                                    write_token_map)
+from specserve.models.draft_head import draft_vocab_ids, load_token_map
+from specserve.train.frspec import count_tokens, draft_vocab_maps, top_frequent_ids, write_token_map
 
 
 def write_answers(path, records):
