@@ -15,6 +15,7 @@ from specserve.config import ServerArgs
 from specserve.core import Request, SamplingParams, StepOutput, TokenResult, new_rid
 from specserve.engine_setup import EngineParts, build_engine_parts
 from specserve.kernels import skinny
+from specserve.models.attention import KVCache
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.openmp_pool import release_thread_team
 from specserve.runner.sampler import SamplingBatch, compute_logprobs, sample
@@ -22,6 +23,7 @@ from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.tokenizer import TextStreamer
 
 logger = logging.getLogger(__name__)
+PREFAULT_KV_BYTES = 2 * 2**30      # what a server touches of its KV pool at startup
 
 
 @dataclass
@@ -119,6 +121,15 @@ class LLMEngine:
         req = self.scheduler.abort(rid)
         if req is not None:
             self._pending_outputs.append(self._final_output(req, [], ""))
+
+    def prefault_kv_cache(self, max_bytes: int | None = PREFAULT_KV_BYTES) -> int:
+        """Touch the first ``max_bytes`` of each KV cache now (the target's, and a draft model's
+        own; None: all of them); returns the bytes written. See ``KVCache.prefault``: the server
+        calls this at startup. Capped because on a CPU the default pool is 30% of the machine's
+        memory, and touching it all would make that resident at once."""
+        runners = [self.runner, getattr(getattr(self.spec_worker, "proposer", None), "runner", None)]
+        caches = [getattr(runner, "kv_cache", None) for runner in runners]
+        return sum(cache.prefault(max_bytes) for cache in caches if isinstance(cache, KVCache))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending_outputs)

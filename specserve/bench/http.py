@@ -192,12 +192,14 @@ def random_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 
 def offline_engine(args, server_args: list[str], id_lists, ttft_ids) -> dict[str, Any]:
-    """The same flags as the server, as an in-process LLMEngine at batch 1 on the same prompts."""
+    """The same flags as the server, as an in-process LLMEngine at batch 1 on the same prompts,
+    its KV cache reserved at startup as the server's is."""
     from specserve.bench.serving import close_engine
     from specserve.engine import LLMEngine
     from specserve.launch_server import parse_server_args
 
     core = LLMEngine(parse_server_args(server_args))
+    core.prefault_kv_cache()
     try:
         warm_up(core, core.tokenizer)
         records, wall = _offline_records(core, id_lists, args.max_new_tokens)

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also split one request's decode steps into their parts (native layer ops, "
                              "LM head, Python, scheduling) and print that")
+    parser.add_argument("--profile-batch", type=int, default=1,
+                        help="requests decoded together in the --profile run (default %(default)s)")
 
 
 def parse_dtypes(text: str) -> list[str]:
@@ -49,6 +51,8 @@ def parse_dtypes(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dtypes = parse_dtypes(args.dtypes)
+    if args.profile_batch < 1:
+        raise ValueError(f"--profile-batch: expected at least 1, got {args.profile_batch}")
     prompt_list = prompt_data.load_mixed_prompts(args.num_prompts, prompt_data.resolve_prompt_files(args.prompts))
     id_lists = serving.tokenize_prompts(args, prompt_list, args.max_new_tokens)
     from specserve.kernels import skinny
@@ -88,7 +92,7 @@ def _hf_dir(args: argparse.Namespace):
 def _run_dtype(args, dtype: str, hf_dir: str, id_lists: list[list[int]]) -> dict[str, Any]:
     engine = hf = None
     try:
-        kv_tokens = serving.kv_tokens_needed(args, id_lists, 1, args.max_new_tokens)
+        kv_tokens = serving.kv_tokens_needed(args, id_lists, max(1, args.profile_batch), args.max_new_tokens)
         engine = serving.make_engine(serving.engine_kwargs(args, dtype, disable_radix_cache=True,
                                                            max_total_tokens=kv_tokens, quantization=args.quantization))
         hf = _load_hf(hf_dir, dtype, engine.engine.device)
@@ -111,7 +115,8 @@ def _run_dtype(args, dtype: str, hf_dir: str, id_lists: list[list[int]]) -> dict
         if args.profile:
             from specserve.bench.step_profile import print_breakdown, profile_decode
 
-            summary["profile"] = profile_decode(engine.engine, id_lists[0], args.max_new_tokens)
+            batch = [id_lists[i % len(id_lists)] for i in range(args.profile_batch)]
+            summary["profile"] = profile_decode(engine.engine, batch, args.max_new_tokens)
             print_breakdown(dtype, summary["profile"])
         return summary
     finally:

@@ -12,15 +12,18 @@ import time
 from typing import Any, Callable
 
 
-def profile_decode(core, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-    """ms per decode step by part, over one request's decode steps (its prefill step excluded)."""
+def profile_decode(core, id_lists: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
+    """ms per decode step by part, over the decode steps of ``id_lists`` run as one batch (their
+    prefill step excluded; with one prompt, one request's decode steps)."""
     from specserve.bench import serving
     from specserve.kernels import layer as native_layer
 
     model = core.runner.model
     seconds: dict[str, float] = {}
-    core.add_request(None, ids, serving.sampling_params(max_new_tokens, True))
-    core.step()                                              # the prefill (and first token)
+    for ids in id_lists:
+        core.add_request(None, ids, serving.sampling_params(max_new_tokens, True))
+    while core.scheduler.waiting:                            # the prefills (and first tokens)
+        core.step()
     native_layer.profile(True)
     num_steps = 0
     with _timed(core, "step", seconds), _timed(core.runner, "forward", seconds), \
@@ -29,7 +32,7 @@ def profile_decode(core, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
             core.step()
             num_steps += 1
     layer_ops = native_layer.profile(False)
-    return _breakdown(seconds, layer_ops, max(num_steps, 1))
+    return {"batch": len(id_lists), **_breakdown(seconds, layer_ops, max(num_steps, 1))}
 
 
 def _breakdown(seconds: dict[str, float], layer_ops: dict[str, float], num_steps: int) -> dict[str, Any]:
@@ -74,4 +77,5 @@ def print_breakdown(dtype: str, profile: dict[str, Any]) -> None:
     rows.append(["(input quantization, inside the linears)", profile["of_which_input_quantization_ms"], float("nan")])
     rows.append(["decode step", total, 100.0])
     report.print_table(["part", "ms / step", "%"], rows,
-                       title=f"{dtype}: one decode step by part, mean of {profile['num_decode_steps']} steps")
+                       title=f"{dtype}: one decode step by part, mean of {profile['num_decode_steps']} steps"
+                             f" at batch {profile['batch']}")

@@ -65,6 +65,22 @@ class KVCache:
         self.v[:, num_slots - num_zeroed_tail:].zero_()
         self.num_slots = num_slots
 
+    def prefault(self, max_bytes: int | None = None) -> int:
+        """Write the first slots of the cache (all of it, or as many slots as ``max_bytes``
+        holds) once, now; returns the bytes written. The first write to a page the process has
+        never touched costs a page fault: 20-100 us per token's 60 K/V rows measured on a 2-core
+        VM, where the hypervisor also backs the page. Without this, that cost falls into the
+        decode steps of whichever requests reach fresh slots, and a server with a prefix cache
+        keeps finished requests' pages, so for a long while every new token lands on a fresh
+        one. A fresh pool hands out its lowest slots first (``BlockPool``), so a partial
+        prefault covers the first traffic. Zeros are harmless: a slot is written before it is
+        read."""
+        slot_bytes = 2 * self.k[:, :1].numel() * self.k.element_size()
+        num = self.num_slots if max_bytes is None else min(self.num_slots, max_bytes // slot_bytes)
+        self.k[:, :num].zero_()
+        self.v[:, :num].zero_()
+        return num * slot_bytes
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -30,6 +30,7 @@ from specserve.server.async_engine import (
     AsyncEngine, EngineError, EngineUnavailable, IndexedOutput, RequestGroup,
 )
 from specserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from specserve.server.text_chunks import TextChunkEvents, sse_event
 from specserve.server.protocol import (
     ChatChunkChoice, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
@@ -319,8 +320,8 @@ async def stream_outputs(group: RequestGroup) -> AsyncIterator[IndexedOutput]:
 
 def _sse(payload: Any) -> str:
     if isinstance(payload, BaseModel):
-        text = payload.model_dump_json()     # pydantic's own encoder: a third of model_dump + json.dumps
-    elif isinstance(payload, str):
+        return sse_event(payload)            # pydantic's own encoder: a third of model_dump + json.dumps
+    if isinstance(payload, str):
         text = payload
     else:
         text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
@@ -459,6 +460,8 @@ async def chat_stream(state: ServerState, body: ChatCompletionRequest, group: Re
     def chunk(choice: ChatChunkChoice) -> str:
         return _sse(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
 
+    text_events = TextChunkEvents(lambda index, text: ChatCompletionChunk(
+        id=response_id, model=model, choices=[ChatChunkChoice(index=index, delta={"content": text})]))
     for c in choices:
         yield chunk(ChatChunkChoice(index=c.index, delta={"role": "assistant", "content": ""}))
     async for item in stream_outputs(group):
@@ -467,6 +470,9 @@ async def chat_stream(state: ServerState, body: ChatCompletionRequest, group: Re
         logprobs = (chat_logprobs(token_text, out.new_token_ids, out.new_logprobs, out.new_top_logprobs)
                     if body.logprobs and out.new_token_ids else None)
         if not (out.text_delta or logprobs or out.finished):
+            continue
+        if logprobs is None and not out.finished:
+            yield text_events.event(item.index, out.text_delta)
             continue
         reason, matched = finish_fields(out.finish_reason if out.finished else None)
         delta = {"content": out.text_delta} if out.text_delta else {}
@@ -517,6 +523,8 @@ def completion_response(state: ServerState, body: CompletionRequest, choices: li
 
 async def completion_stream(state: ServerState, body: CompletionRequest, group: RequestGroup,
                             choices: list[ChoiceState], response_id: str, model: str) -> AsyncIterator[str]:
+    text_events = TextChunkEvents(lambda index, text: CompletionResponse(
+        id=response_id, model=model, choices=[CompletionChoice(index=index, text=text)]))
     async for item in stream_outputs(group):
         out, choice = item.output, choices[item.index]
         text_offset = len(choice.text)
@@ -525,6 +533,9 @@ async def completion_stream(state: ServerState, body: CompletionRequest, group: 
                                             out.new_top_logprobs, text_offset)
                     if out.new_token_ids else None)
         if not (out.text_delta or logprobs or out.finished):
+            continue
+        if logprobs is None and not out.finished:
+            yield text_events.event(item.index, out.text_delta)
             continue
         reason, matched = finish_fields(out.finish_reason if out.finished else None)
         chunk_choice = CompletionChoice(index=item.index, text=out.text_delta, logprobs=logprobs,

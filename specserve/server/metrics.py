@@ -66,13 +66,16 @@ class ServerMetrics:
             "Per-request average accept length (tokens per verify step).",
             labels, buckets=ACCEPT_LENGTH_BUCKETS, registry=self.registry)
 
+        # observe_tokens runs once per streamed chunk: its labelled child is looked up here, once
+        self._generation_tokens_of_model = self.generation_tokens.labels(model_name)
+
     # ---- per-request events (called from the asyncio side) ---------------------
     def observe_first_token(self, seconds: float) -> None:
         self.time_to_first_token.labels(self.model_name).observe(seconds)
 
     def observe_tokens(self, num_generated: int) -> None:
         if num_generated:
-            self.generation_tokens.labels(self.model_name).inc(num_generated)
+            self._generation_tokens_of_model.inc(num_generated)
 
     def observe_finished(self, finish_reason: str, e2e_seconds: float, meta_info: dict[str, Any]) -> None:
         model = self.model_name

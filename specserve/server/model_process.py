@@ -67,6 +67,9 @@ def _build_engine(server_args: ServerArgs, outbox: zmq.Socket) -> Any:
         logger.exception("the model failed to load")
         outbox.send(ipc.encode(ipc.StartupFailed(f"{type(exc).__name__}: {exc}", is_config_error=False)))
         return None
+    start = time.perf_counter()
+    touched = engine.prefault_kv_cache()
+    logger.info("KV cache reserved: %.2f GiB touched in %.1f s", touched / 2**30, time.perf_counter() - start)
     tokenizer_path = server_args.tokenizer_path or engine.model_path
     outbox.send(ipc.encode(ipc.Ready(str(engine.model_path), str(tokenizer_path), engine.context_len,
                                      engine.model_config.vocab_size, os.getpid())))
