@@ -4,12 +4,11 @@ Modelled on SGLang's ``bench_serving``. Starts ``launch_server`` (or targets ``-
 sends the bench prompts as OpenAI completions (token-id prompts, greedy, ``ignore_eos``) from
 N concurrent clients, streaming, and reports per concurrency: output tokens/s, requests/s,
 time to first token and inter-token latency (median, p99), end-to-end tokens/s per request.
-Batch 1 also runs without streaming. In the same run and on the same prompt ids, one after the
-other (never at the same time): the offline Engine at batch 1 (before and after the HTTP phase;
-ratios take the mean of both, so a machine whose speed drifts over minutes hits both sides
-alike), llama.cpp at batch 1 when ``llama-cpp-python`` is installed, and the prefill forward of
-128-token prompts beside the server's time to first token for them. Each configuration gets a
-fresh server. ``--soak-duration`` adds a long run with clients that hang up mid-stream, then
+Batch 1 runs streamed, not streamed and on the offline Engine (the server's flags in process)
+in turns, prompt by prompt, never at the same time, so that a machine whose speed drifts over
+minutes hits all three alike. In the same run and on the same prompt ids: llama.cpp at batch 1
+when ``llama-cpp-python`` is installed, and the prefill forward of 128-token prompts beside the
+server's time to first token for them. Each configuration gets a fresh server. ``--soak-duration`` adds a long run with clients that hang up mid-stream, then
 checks the server: no 5xx, every completed greedy output identical to the prompt served alone,
 no KV held and no request running afterwards.
 """
@@ -31,8 +30,10 @@ from specserve.bench.serving import (
     WARMUP_TEXT, concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts,
     warm_up,
 )
+from specserve.runner.openmp_pool import release_thread_team
 
 MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM --quantization gguf"   # make serve's SPEC_ARGS QUANT_ARGS
+SETTLE_S = 0.1      # between batch-1 turns: libgomp workers spin ~300,000 pauses after their last region
 TTFT_PROMPT_LEN = 128
 
 
@@ -70,11 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "num_prompts": len(id_lists), "max_new_tokens": args.max_new_tokens,
                               "threads": args.threads}
     warm_ids = prompt_data.chat_ids(tokenizer, WARMUP_TEXT)
-    if not args.no_offline:     # before and after the HTTP phase: a drifting machine hits both sides
-        result["offline_before"] = offline_engine(args, server_args, id_lists, ttft_ids)
     result.update(_http_phase(args, server_args, id_lists, ttft_ids, warm_ids))
-    if not args.no_offline:
-        result["offline"] = offline_engine(args, server_args, id_lists, ttft_ids)
     if not args.no_peer:
         result["llama_cpp"] = llama_cpp_peer(args, id_lists)
     result["summary"] = summarize(result)
@@ -93,24 +90,67 @@ def _http_phase(args, server_args, id_lists, ttft_ids, warm_ids) -> dict[str, An
 
     levels, solo, out = [], None, {}
     for level in concurrency_levels(args.concurrency):
-        for stream in ((True, False) if level == 1 else (True,)):
-            num = max(len(id_lists), level * args.requests_per_client) if level > 1 else len(id_lists)
-            spec = hc.LoadSpec(level, stream, args.max_new_tokens, num, request_rate=args.request_rate)
-            name = f"c{level}-{'stream' if stream else 'full'}"
-            with fresh_server(name) as base_url:
-                _warm_up(base_url, warm_ids)
-                records, wall = _load(base_url, id_lists, spec, f"http {name}")
-                if level == 1 and stream:
-                    solo = {r.prompt_index: r.text for r in records}
-                    out["http_ttft_128"] = _ttft_run(base_url, ttft_ids)
-                levels.append(level_figures(level, stream, records, wall, solo))
-                levels[-1]["server_after"] = hc.server_state(base_url)
+        if level == 1:
+            out.update(batch_one(args, server_args, id_lists, ttft_ids, warm_ids, fresh_server))
+            levels.extend(out.pop("batch_one_levels"))
+            solo = out.pop("solo")
+            continue
+        spec = hc.LoadSpec(level, True, args.max_new_tokens, max(len(id_lists), level * args.requests_per_client),
+                           request_rate=args.request_rate)
+        with fresh_server(f"c{level}-stream") as base_url:
+            _warm_up(base_url, warm_ids)
+            records, wall = _load(base_url, id_lists, spec, f"http c{level}-stream")
+            levels.append(level_figures(level, True, records, wall, solo))
+            levels[-1]["server_after"] = hc.server_state(base_url)
     out["http"] = levels
     if args.soak_duration > 0:
         with fresh_server("soak") as base_url:
             _warm_up(base_url, warm_ids)
             out["soak"] = soak(base_url, args, id_lists, solo or {})
     return out
+
+
+def batch_one(args, server_args, id_lists, ttft_ids, warm_ids, fresh_server) -> dict[str, Any]:
+    """Batch 1: a streaming server, a non-streaming one and the offline Engine take turns on
+    each prompt (the order rotating), so a machine whose speed drifts over minutes (this VM's
+    moved 10-15% between runs a minute apart) hits all three alike. Between turns the last
+    one's OpenMP workers are given time to stop spinning (``SETTLE_S``)."""
+    modes = ["stream", "full"] + ([] if args.no_offline else ["offline"])
+    records: dict[str, list] = {mode: [] for mode in modes}
+    seconds = dict.fromkeys(modes, 0.0)
+    with fresh_server("c1-stream") as stream_url, fresh_server("c1-full") as full_url, \
+            _offline_core(args, server_args) as core:
+        urls = {"stream": stream_url, "full": full_url}
+        for url in urls.values():
+            _warm_up(url, warm_ids)
+        with progress_bar(len(id_lists), "batch 1: stream, full, offline in turns") as bar:
+            for index, ids in enumerate(id_lists):
+                for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
+                    record, wall = _one_request(mode, urls.get(mode), core, ids, args.max_new_tokens)
+                    setattr(record, "index" if mode == "offline" else "prompt_index", index)
+                    records[mode].append(record)
+                    seconds[mode] += wall
+                    time.sleep(SETTLE_S)
+                bar.update(1)
+        out: dict[str, Any] = {"http_ttft_128": _ttft_run(stream_url, ttft_ids)}
+        if core is not None:
+            out["offline"] = _offline_figures(records["offline"], seconds["offline"], core, ttft_ids)
+        solo = {r.prompt_index: r.text for r in records["stream"]}
+        levels = []
+        for mode, url in urls.items():
+            levels.append(level_figures(1, mode == "stream", records[mode], seconds[mode], solo))
+            levels[-1]["server_after"] = hc.server_state(url)
+    out.update(batch_one_levels=levels, solo=solo)
+    return out
+
+
+def _one_request(mode: str, url: str | None, core, ids: list[int], max_new_tokens: int):
+    if mode == "offline":
+        (record,), wall = run_requests(core, [ids], lambda: sampling_params(max_new_tokens, True), 1)
+        release_thread_team()         # its workers would spin on, into the next turn
+        return record, wall
+    (record,), wall = asyncio.run(hc.run_load(url, [ids], hc.LoadSpec(1, mode == "stream", max_new_tokens, 1)))
+    return record, wall
 
 
 def _warm_up(base_url: str, warm_ids: list[int]) -> None:
@@ -191,9 +231,13 @@ def random_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def offline_engine(args, server_args: list[str], id_lists, ttft_ids) -> dict[str, Any]:
-    """The same flags as the server, as an in-process LLMEngine at batch 1 on the same prompts,
-    its KV cache reserved at startup as the server's is."""
+@contextlib.contextmanager
+def _offline_core(args, server_args: list[str]):
+    """The same flags as the server, as an in-process LLMEngine (None with --no-offline), its KV
+    cache reserved at startup as the server's is."""
+    if args.no_offline:
+        yield None
+        return
     from specserve.bench.serving import close_engine
     from specserve.engine import LLMEngine
     from specserve.launch_server import parse_server_args
@@ -202,21 +246,18 @@ def offline_engine(args, server_args: list[str], id_lists, ttft_ids) -> dict[str
     core.prefault_kv_cache()
     try:
         warm_up(core, core.tokenizer)
-        records, wall = _offline_records(core, id_lists, args.max_new_tokens)
-        prefill = [_prefill_forward_seconds(core, ids) for ids in ttft_ids]
+        yield core
     finally:
         close_engine(None)
-    rates = [(len(r.output_ids)) / (r.t_end - r.t_add) for r in records if r.t_end]
+
+
+def _offline_figures(records, wall: float, core, ttft_ids) -> dict[str, Any]:
+    prefill = [_prefill_forward_seconds(core, ids) for ids in ttft_ids]
+    rates = [len(r.output_ids) / (r.t_end - r.t_add) for r in records if r.t_end]
     return {"request_tokens_per_s_median": report.median(rates),
             "output_tokens_per_s": sum(len(r.output_ids) for r in records) / wall,
             "texts": {r.index: r.text for r in records},
             "prefill_forward_128_median_s": report.median(prefill)}
-
-
-def _offline_records(core, id_lists, max_new_tokens):
-    with progress_bar(len(id_lists), "offline engine c=1") as bar:
-        return run_requests(core, id_lists, lambda: sampling_params(max_new_tokens, True), 1,
-                            on_finish=lambda _: bar.update(1))
 
 
 def _prefill_forward_seconds(core, ids: list[int]) -> float:
@@ -285,10 +326,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def offline_rate(result: dict[str, Any]) -> float | None:
-    """The offline Engine's tok/s per request: the mean of its runs before and after the HTTP phase."""
-    rates = [(result.get(key) or {}).get("request_tokens_per_s_median") for key in ("offline_before", "offline")]
-    rates = [r for r in rates if r]
-    return sum(rates) / len(rates) if rates else None
+    """The offline Engine's tok/s per request (median), taken in turns with the HTTP requests."""
+    return (result.get("offline") or {}).get("request_tokens_per_s_median")
 
 
 def _concurrency_ratios(by_key, solo) -> dict[str, Any]:
@@ -308,10 +347,8 @@ def _print(result: dict[str, Any]) -> None:
     report.print_table(["clients", "stream", "out tok/s", "req/s", "tok/s per req", "TTFT ms", "TTFT p99",
                         "ITL ms", "ITL p99", "errors", "differ"], rows, title="HTTP server")
     offline, peer = result.get("offline") or {}, result.get("llama_cpp") or {}
-    before = (result.get("offline_before") or {}).get("request_tokens_per_s_median")
     report.print_table(["engine", "tok/s per request (median)"],
-                       [["offline Engine, before HTTP", before],
-                        ["offline Engine, after HTTP", offline.get("request_tokens_per_s_median")],
+                       [["offline Engine, in turns with HTTP", offline.get("request_tokens_per_s_median")],
                         ["llama.cpp", peer.get("request_tokens_per_s_median", peer.get("skipped"))]],
                        title="batch 1, same prompts")
     for key, value in result["summary"].items():
