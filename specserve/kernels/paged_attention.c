@@ -418,7 +418,10 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
     {
         row_scratch scratch[ROW_BLOCK];
         for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], L, group, hd16, head_dim);
-        #pragma omp for schedule(static)
+        /* dynamic: requests' key counts differ (a batch of 32 mixed prompts: -5% against
+           contiguous static halves); a task writes only its own rows, so bits do not depend on
+           which thread takes it */
+        #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < (long)num_segments * tasks_per_segment; task++) {
             const int seg = (int)(task / tasks_per_segment), h = (int)(task % tasks_per_segment);
             const int t0 = segment_start[seg], rows = segment_start[seg + 1] - t0;
