@@ -8,9 +8,10 @@ Batch 1 runs streamed, not streamed and on the offline Engine (the server's flag
 in turns, prompt by prompt, never at the same time, so that a machine whose speed drifts over
 minutes hits all three alike. In the same run and on the same prompt ids: llama.cpp at batch 1
 when ``llama-cpp-python`` is installed, and the prefill forward of 128-token prompts beside the
-server's time to first token for them. Each configuration gets a fresh server. ``--soak-duration`` adds a long run with clients that hang up mid-stream, then
-checks the server: no 5xx, every completed greedy output identical to the prompt served alone,
-no KV held and no request running afterwards.
+server's time to first token for them. Each configuration gets a fresh server.
+``--soak-duration`` adds a long run with clients that hang up mid-stream, then checks the
+server: no 5xx, every completed greedy output identical to the prompt served alone, no KV held
+and no request running afterwards.
 """
 from __future__ import annotations
 
