@@ -195,6 +195,9 @@ def load_token_map(path: str) -> torch.Tensor:
     return torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True), dtype=torch.int64).flatten()
 
 
+DRAFT_VOCAB_TENSOR = "d2t"         # a draft's own vocabulary: draft id i <-> target id i + d2t[i] (EAGLE-3's rule)
+
+
 def draft_vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
     """Target ids of a draft vocabulary given as EAGLE-3's ``d2t`` (draft id i <-> target id
     i + d2t[i]), int64, in draft id order."""

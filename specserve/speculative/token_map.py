@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from specserve.config import ConfigError
-from specserve.models.draft_head import draft_vocab_ids, load_token_map
+from specserve.models.draft_head import DRAFT_VOCAB_TENSOR, draft_vocab_ids, load_token_map
 from specserve.models.packed_linear import Linear, integer_quantization, pack_linears_for_cpu
 
 FLAG = "--speculative-token-map"
-DRAFT_VOCAB_TENSOR = "d2t"         # a pruned-vocabulary draft: draft id i <-> target id i + d2t[i] (EAGLE-3's rule)
 _READ_ERRORS = (OSError, EOFError, RuntimeError, ValueError, TypeError, pickle.UnpicklingError)
 
 

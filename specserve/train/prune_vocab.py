@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from specserve.loading.safetensors import read_safetensors_dir
-from specserve.speculative.token_map import DRAFT_VOCAB_TENSOR
+from specserve.models.draft_head import DRAFT_VOCAB_TENSOR
 from specserve.train.frspec import count_tokens, top_frequent_ids
 
 EMBEDDING = "model.embed_tokens.weight"

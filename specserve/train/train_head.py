@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from specserve.config import ModelConfig
 from specserve.loading.loader import read_checkpoint, resolve_model_path
-from specserve.models.draft_head import draft_vocab_ids
+from specserve.models.draft_head import DRAFT_VOCAB_TENSOR, draft_vocab_ids
 from specserve.models.llama import LlamaForCausalLM
 from specserve.train.dataset import Batch, BatchLoader, CaptureDataset, shift, split_records, step_view
 from specserve.train.frspec import draft_vocab_maps
@@ -488,9 +488,9 @@ def read_exported_head(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def exported_vocab_ids(tensors: dict[str, torch.Tensor], folder) -> list[int]:
     """Target ids of an exported EAGLE3 head's draft vocabulary (from its ``d2t``)."""
-    if "d2t" not in tensors:
+    if DRAFT_VOCAB_TENSOR not in tensors:
         raise ValueError(f"--init-from {folder}: not an EAGLE3 head with a draft vocabulary (no d2t tensor)")
-    return draft_vocab_ids(tensors["d2t"]).tolist()
+    return draft_vocab_ids(tensors[DRAFT_VOCAB_TENSOR]).tolist()
 
 
 def _save_atomically(state: dict, path: Path) -> None:
