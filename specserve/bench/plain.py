@@ -92,7 +92,7 @@ def _hf_dir(args: argparse.Namespace):
 def _run_dtype(args, dtype: str, hf_dir: str, id_lists: list[list[int]]) -> dict[str, Any]:
     engine = hf = None
     try:
-        kv_tokens = serving.kv_tokens_needed(args, id_lists, max(1, args.profile_batch), args.max_new_tokens)
+        kv_tokens = serving.kv_tokens_needed(args, id_lists, args.profile_batch, args.max_new_tokens)
         engine = serving.make_engine(serving.engine_kwargs(args, dtype, disable_radix_cache=True,
                                                            max_total_tokens=kv_tokens, quantization=args.quantization))
         hf = _load_hf(hf_dir, dtype, engine.engine.device)

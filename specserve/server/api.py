@@ -527,7 +527,7 @@ async def completion_stream(state: ServerState, body: CompletionRequest, group: 
         id=response_id, model=model, choices=[CompletionChoice(index=index, text=text)]))
     async for item in stream_outputs(group):
         out, choice = item.output, choices[item.index]
-        text_offset = len(choice.text)
+        text_offset = len(choice.text) if body.logprobs is not None else 0   # joins every part so far
         choice.add(out)
         logprobs = (_completion_logprobs_of(state, body, out.new_token_ids, out.new_logprobs,
                                             out.new_top_logprobs, text_offset)
