@@ -73,8 +73,12 @@ static inline int32_t iq_start(int fmt, int32_t sum) {
     if (fmt == IQ_Q8_0 && IQ_LEVEL >= 2) return -128 * sum;
     return 0;
 }
+/* whether iq_start is 0 for every block of this format: the tiles then start their sums at 0
+   instead of loading it (one broadcast load per row and block fewer: -10% at 8 rows, Q4_1,
+   1 thread, AVX-512 VNNI Xeon) */
+static inline int iq_starts_at_zero(int fmt) { return fmt == IQ_Q4_1 || (fmt == IQ_Q8_0 && IQ_LEVEL < 2); }
 
-/* one block of 32 values: q = clamp(rint(x / d), -127, 127), d = max|x| / 127 */
+/* one block of 32 values: q = rint(clamp(x / d, -127, 127)), d = max|x| / 127 */
 static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, float *d, float *ds, int32_t *start) {
     const int esize = is_bf16 ? 2 : 4;
     __m256 v[4];
@@ -92,9 +96,10 @@ static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, fl
     const __m256 inv8 = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     __m256i n[4];
     __m256i total = _mm256_setzero_si256();
-    for (int s = 0; s < 4; s++) {
-        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[s], inv8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        n[s] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    for (int s = 0; s < 4; s++) {     /* clamp, then cvtps rounds to nearest even (MXCSR's default,
+                                         which nothing here changes): the same as rounding first,
+                                         and 2 uops fewer per vector (-20% per block) */
+        n[s] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[s], inv8), lo), hi));
         total = _mm256_add_epi32(total, n[s]);
     }
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
@@ -168,7 +173,8 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
             const int G = R - r0 < IQ_GROUP ? R - r0 : IQ_GROUP;
             __m512i s[IQ_GROUP], t[IQ_GROUP];
             _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-                s[g] = _mm512_set1_epi32(a->start[(m0 + r0 + g) * nb + b]);
+                s[g] = iq_starts_at_zero(fmt) ? _mm512_setzero_si512()
+                                              : _mm512_set1_epi32(a->start[(m0 + r0 + g) * nb + b]);
                 t[g] = _mm512_setzero_si512();
             }
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2)
@@ -218,7 +224,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
             const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
-            __m256i s = _mm256_set1_epi32(a->start[i]);
+            __m256i s = iq_starts_at_zero(fmt) ? _mm256_setzero_si256() : _mm256_set1_epi32(a->start[i]);
             if (fmt == IQ_Q8_0) {
                 for (int j = 0; j < 8; j++) {
                     const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
