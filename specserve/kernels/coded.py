@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 CODE_BLOCK = 32
+SUB_BLOCK_16 = 16         # Q6_K's weights per scale
 CODED_AFFINE4, CODED_AFFINE8, CODED_TABLE4 = 1, 2, 3       # coded_linear.c's formats
 RECORD_BYTES = {CODED_AFFINE4: 24, CODED_AFFINE8: 40, CODED_TABLE4: 48}   # its coded_record_bytes
 
@@ -31,17 +32,19 @@ def kernel_format_for(bits: int, dtype: torch.dtype) -> int:
 
 @dataclass
 class BlockCodes:
-    """Weights [N, K] = ``codes * scales + mins`` per block of 32 along K (float32 arithmetic:
-    the product is exact, the sum rounds once, as in GGUF's dequantization)."""
+    """Weights [N, K] = ``codes * scales + mins`` per block of 32 along K (float32 arithmetic,
+    as in GGUF's dequantization: the product rounds once, then the sum). 8-bit codes may have a
+    scale and min per 16 weights instead (GGUF's Q6_K: ``sub_block`` 16)."""
 
     codes: torch.Tensor        # [N, K] uint8 (bits 4: 0..15) or int8 (bits 8)
-    scales: torch.Tensor       # [N, K / 32] float32
-    mins: torch.Tensor         # [N, K / 32] float32
+    scales: torch.Tensor       # [N, K / sub_block] float32
+    mins: torch.Tensor         # [N, K / sub_block] float32
     bits: int
 
     def __post_init__(self) -> None:
         num_rows, num_in = self.codes.shape
-        if num_in % CODE_BLOCK or self.scales.shape != (num_rows, num_in // CODE_BLOCK) \
+        sub_blocks = (CODE_BLOCK, SUB_BLOCK_16) if self.bits == 8 else (CODE_BLOCK,)
+        if num_in % CODE_BLOCK or self.scales.shape not in [(num_rows, num_in // n) for n in sub_blocks] \
                 or self.mins.shape != self.scales.shape or self.bits not in (4, 8):
             raise ValueError(f"inconsistent block codes: codes {tuple(self.codes.shape)}, scales "
                              f"{tuple(self.scales.shape)}, mins {tuple(self.mins.shape)}, bits {self.bits}")
@@ -50,10 +53,15 @@ class BlockCodes:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    @property
+    def sub_block(self) -> int:
+        """Weights per scale: 32, or 16 (Q6_K)."""
+        return self.codes.shape[1] // self.scales.shape[1]
+
     def expand(self) -> torch.Tensor:
         """The float32 weights [N, K]."""
         num_rows, num_in = self.codes.shape
-        blocks = self.codes.reshape(num_rows, -1, CODE_BLOCK).float()
+        blocks = self.codes.reshape(num_rows, -1, self.sub_block).float()
         return (blocks * self.scales[..., None] + self.mins[..., None]).reshape(num_rows, num_in)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockCodes:
@@ -62,14 +70,18 @@ class BlockCodes:
 
     @staticmethod
     def cat(parts: list[BlockCodes]) -> BlockCodes | None:
-        """Row-wise concatenation; None if the parts differ in bits or width."""
-        if len({(p.bits, p.shape[1]) for p in parts}) != 1:
+        """Row-wise concatenation; None if the parts differ in bits, width or sub-block."""
+        if len({(p.bits, p.shape[1], p.sub_block) for p in parts}) != 1:
             return None
         return BlockCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                           torch.cat([p.mins for p in parts]), parts[0].bits)
 
     def kernel_format(self, dtype: torch.dtype) -> int:
         return kernel_format_for(self.bits, dtype)
+
+    def has_records(self) -> bool:
+        """Whether ``coded_linear.c`` takes these blocks (one scale per 32 weights)."""
+        return self.sub_block == CODE_BLOCK
 
     def records(self, dtype: torch.dtype) -> torch.Tensor:
         """uint8 [N, K / 32 * record bytes]: one record per block in the layout

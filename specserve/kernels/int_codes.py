@@ -1,10 +1,11 @@
 """GGUF weight blocks repacked for the integer kernel (``int_linear.c``): the ``gguf`` path.
 
-``panels(codes)`` turns a Q4_0 / Q4_1 / Q8_0 matrix's ``BlockCodes`` into the kernel's panels of
-16 weight rows (the layout is described in ``int_linear.c``); ``int_format(codes)`` tells which
-GGUF type the blocks are (read off their values: Q4_0's mins are -8 x scale, Q8_0's codes are
-signed with no min) or None where the kernel cannot hold them exactly (scales or mins that are
-not float16 values). ``int_linear(x, panels, fmt, shape)`` runs the kernel.
+``panels(codes)`` turns a matrix's ``BlockCodes`` into the kernel's panels of 16 weight rows (the
+layout is described in ``int_linear.c``); ``int_format(codes)`` tells which kernel format holds
+the blocks exactly, read off their values: Q4_0 (mins -8 x scale), Q4_1 and Q8_0 (signed codes,
+no min) where scales and mins are float16 values as GGUF stores them; otherwise the float32-scaled
+formats: F4 (4-bit codes: Q4_K), F8 (8-bit codes: Q5_0, Q5_1, Q5_K) and F8H (8-bit codes with a
+scale per 16 weights and no min: Q6_K). ``int_linear(x, panels, fmt, shape)`` runs the kernel.
 """
 from __future__ import annotations
 
@@ -19,24 +20,28 @@ from specserve.kernels.coded import CODE_BLOCK, BlockCodes
 
 PANEL_ROWS = 16
 INT_Q4_0, INT_Q4_1, INT_Q8_0 = 1, 2, 3        # int_linear.c's IQ_Q4_0, IQ_Q4_1, IQ_Q8_0
-FORMAT_NAMES = {INT_Q4_0: "Q4_0", INT_Q4_1: "Q4_1", INT_Q8_0: "Q8_0"}
+INT_F4, INT_F8, INT_F8H = 4, 5, 6             # its IQ_F4, IQ_F8, IQ_F8H: float32 scales
+FORMAT_NAMES = {INT_Q4_0: "Q4_0", INT_Q4_1: "Q4_1", INT_Q8_0: "Q8_0", INT_F4: "F4", INT_F8: "F8", INT_F8H: "F8H"}
+FLOAT32_SCALED = (INT_F4, INT_F8, INT_F8H)
+HEADER_BYTES = {INT_Q4_0: 32, INT_Q4_1: 64, INT_Q8_0: 32, INT_F4: 128, INT_F8: 128, INT_F8H: 128}
 
 
 def record_bytes(fmt: int) -> int:
     """Bytes of one block of a panel (16 rows x 32 weights): scales, mins, codes."""
-    return (64 if fmt == INT_Q4_1 else 32) + (512 if fmt == INT_Q8_0 else 256)
+    return HEADER_BYTES[fmt] + (256 if fmt in (INT_Q4_0, INT_Q4_1, INT_F4) else 512)
 
 
 def int_format(codes: BlockCodes) -> int | None:
-    """The GGUF type of these blocks as the kernel holds them, or None."""
+    """The kernel format that holds these blocks exactly (None: 16-weight sub-blocks with mins)."""
     scales, mins = codes.scales, codes.mins
-    if not _is_float16(scales):
-        return None
+    if codes.sub_block != CODE_BLOCK:
+        return None if mins.any() else INT_F8H
     if codes.bits == 8:
-        return INT_Q8_0 if not mins.any() else None
-    if torch.equal(mins, -8 * scales):
+        return INT_Q8_0 if not mins.any() and _is_float16(scales) else INT_F8
+    if _is_float16(scales) and torch.equal(mins, -8 * scales):
         return INT_Q4_0
-    return INT_Q4_1 if _is_float16(mins) else None
+    return INT_Q4_1 if _is_float16(scales) and _is_float16(mins) else INT_F4
+
 
 
 def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
@@ -53,11 +58,17 @@ def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
     # codes [P, 16 rows, blocks, 8 chunks, 4] -> [P, blocks, 8 chunks, 16 rows, 4]
     raw = by_panel(codes.codes.numpy().view(np.uint8).reshape(num_rows, num_blocks, 8, 4))
     chunks = raw.transpose(0, 2, 3, 1, 4)
-    if fmt != INT_Q8_0:                               # chunk j low nibble, chunk j + 4 high
+    if codes.bits == 4:                               # chunk j low nibble, chunk j + 4 high
         chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
-    parts = [by_panel(codes.scales.numpy()).transpose(0, 2, 1).astype(np.float16)]
-    if fmt == INT_Q4_1:
-        parts.append(by_panel(codes.mins.numpy()).transpose(0, 2, 1).astype(np.float16))
+    header_dtype = np.float32 if fmt in FLOAT32_SCALED else np.float16
+    as_header = lambda a: by_panel(a).transpose(0, 2, 1).astype(header_dtype)  # noqa: E731  [P, blocks, 16]
+    scales = codes.scales.numpy()
+    if fmt == INT_F8H:                                # per half block: first halves, then second ones
+        parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])]
+    else:
+        parts = [as_header(scales)]
+    if fmt in (INT_Q4_1, INT_F4, INT_F8):
+        parts.append(as_header(codes.mins.numpy()))
     header = [np.ascontiguousarray(p).view(np.uint8).reshape(num_panels, num_blocks, -1) for p in parts]
     records = np.concatenate([*header, chunks.reshape(num_panels, num_blocks, -1)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(records.reshape(num_panels, -1)))

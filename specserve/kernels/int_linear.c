@@ -1,4 +1,5 @@
-/* Integer linear over GGUF weight blocks (Q4_0, Q4_1, Q8_0): the `--quantization gguf` path.
+/* Integer linear over GGUF weight blocks (Q4_0, Q4_1, Q8_0 as stored; Q5_0, Q5_1, Q4_K, Q5_K
+   and Q6_K through the float32-scaled formats below): the `--quantization gguf` path.
 
        y[M, N] = x[M, K] @ W[N, K]^T (+ bias)
 
@@ -9,14 +10,21 @@
        p     = sum_k c_k q_k - off             off = 8 * sum(q) for Q4_0 (codes 0..15 stand for c - 8),
                                                else 0 (the int32 sum is exact)
        acc   = fma(d * dx, float(p), acc)      per block, in block order
-       acc   = fma(m, dx * sum(q), acc)        Q4_1 only
+       acc   = fma(m, dx * sum(q), acc)        formats with a min (Q4_1, F4, F8)
        y     = acc (+ bias)
+
+   The F formats hold blocks whose scales are not float16 values (K-quants: a super-block's
+   float16 d times a 6-bit sub-block scale) in float32: F4 (4-bit codes, scale and min: Q4_K),
+   F8 (int8 codes, scale and min: Q5_0 as c - 16, Q5_1, Q5_K) and F8H (int8 codes, one scale
+   per 16-weight half and no min: Q6_K), whose two halves are summed and scaled apart:
+       acc   = fma(d_lo * dx, float(p_lo), acc),  acc = fma(d_hi * dx, float(p_hi), acc)
 
    Layout: weights are repacked in panels of 16 rows (IQ_ROWS, the int32 lanes of a 512-bit
    vector). A panel holds, per block b of K, one record:
        float16 d[16] | float16 m[16] (Q4_1 only) | codes
+   (F formats: float32 d[16] | float32 m[16], or F8H's float32 d_lo[16] | d_hi[16], then codes)
    where code chunk j (j = 0..7: weights k = 4j..4j+3 of the block) is 64 bytes, byte 4i + t =
-   row i's weight 4j + t. Q8_0 stores the 8 chunks as int8 (512 bytes); Q4_0/Q4_1 store
+   row i's weight 4j + t. Q8_0 and F8* store the 8 chunks as int8 (512 bytes); Q4_0/Q4_1/F4 store
    chunk j (low nibble) and chunk j + 4 (high nibble) in one 64-byte group, 4 groups (256
    bytes). So one vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial
    sums in its 16 lanes: no horizontal sums, the weights of a block are decoded once for every
@@ -36,7 +44,7 @@
 #ifndef IQ_PREFETCH_BYTES
 #define IQ_PREFETCH_BYTES 16384  /* weights prefetched this far ahead (panels lie back to back) */
 #endif
-enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3 };
+enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5, IQ_F8H = 6, IQ_NUM_FORMATS = 6 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IQ_LEVEL 2            /* avx512_vnni */
@@ -47,15 +55,19 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3 };
 #define IQ_TILE 4
 #endif
 
-static inline int iq_scale_bytes(int fmt) { return fmt == IQ_Q4_1 ? 64 : 32; }
-static inline int iq_record_bytes(int fmt) { return iq_scale_bytes(fmt) + (fmt == IQ_Q8_0 ? 512 : 256); }
+static inline int iq_is_f32(int fmt) { return fmt >= IQ_F4; }                  /* float32 scales */
+static inline int iq_is_nibble(int fmt) { return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4; }
+static inline int iq_has_min(int fmt) { return fmt == IQ_Q4_1 || fmt == IQ_F4 || fmt == IQ_F8; }
+static inline int iq_scale_bytes(int fmt) { return iq_is_f32(fmt) ? 128 : fmt == IQ_Q4_1 ? 64 : 32; }
+static inline int iq_record_bytes(int fmt) { return iq_scale_bytes(fmt) + (iq_is_nibble(fmt) ? 256 : 512); }
 
 /* The input rows quantized: q [M, K] int8; per row and block (index m * nb + b): the scale d,
-   d * sum(q) (for Q4_1's min term) and the int32 start value of the block's integer sum. */
+   d * sum(q) (for the min term), the int32 start value of the block's integer sum and that of
+   its first half (the weights k < 16; F8H sums the halves apart). */
 typedef struct {
     int8_t *q;
     float *d, *ds;
-    int32_t *start;
+    int32_t *start, *start_lo;
     int K, nb;
 } iq_input;
 
@@ -65,21 +77,25 @@ static inline int32_t iq_load4(const int8_t *p) {
     return v;
 }
 
-/* The integer sum's start value for a block whose q sum to `sum`: minus the codes' offset
-   times the sum, where the kernel's unsigned operand is the code plus an offset (Q4_0: the
-   stored nibble is c + 8; Q8_0 on VNNI: the code's byte xor 0x80, c + 128). */
+/* int8 codes (Q8_0, F8, F8H): on VNNI the kernel's unsigned operand is the code's byte xor 0x80 */
+static inline int iq_is_signed(int fmt) { return !iq_is_nibble(fmt); }
+
+/* The integer sum's start value for q that sum to `sum`: minus the codes' offset times the sum,
+   where the kernel's unsigned operand is the code plus an offset (Q4_0: the stored nibble is
+   c + 8; int8 codes on VNNI: c + 128). */
 static inline int32_t iq_start(int fmt, int32_t sum) {
     if (fmt == IQ_Q4_0) return -8 * sum;
-    if (fmt == IQ_Q8_0 && IQ_LEVEL >= 2) return -128 * sum;
+    if (iq_is_signed(fmt) && IQ_LEVEL >= 2) return -128 * sum;
     return 0;
 }
 /* whether iq_start is 0 for every block of this format: the tiles then start their sums at 0
    instead of loading it (one broadcast load per row and block fewer: -10% at 8 rows, Q4_1,
    1 thread, AVX-512 VNNI Xeon) */
-static inline int iq_starts_at_zero(int fmt) { return fmt == IQ_Q4_1 || (fmt == IQ_Q8_0 && IQ_LEVEL < 2); }
+static inline int iq_starts_at_zero(int fmt) { return iq_start(fmt, 1) == 0; }
 
 /* one block of 32 values: q = rint(clamp(x / d, -127, 127)), d = max|x| / 127 */
-static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, float *d, float *ds, int32_t *start) {
+static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, float *d, float *ds, int32_t *start,
+                              int32_t *start_lo) {
     const int esize = is_bf16 ? 2 : 4;
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
@@ -95,12 +111,13 @@ static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, fl
     const float scale = m / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
     const __m256 inv8 = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     __m256i n[4];
-    __m256i total = _mm256_setzero_si256();
+    __m256i total = _mm256_setzero_si256(), lo_half = _mm256_setzero_si256();
     for (int s = 0; s < 4; s++) {     /* clamp, then cvtps rounds to nearest even (MXCSR's default,
                                          which nothing here changes): the same as rounding first,
                                          and 2 uops fewer per vector (-20% per block) */
         n[s] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[s], inv8), lo), hi));
         total = _mm256_add_epi32(total, n[s]);
+        if (s == 1) lo_half = total;
     }
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
     _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
@@ -108,9 +125,13 @@ static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, fl
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     const int32_t sum = _mm_cvtsi128_si32(s4);
+    __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(lo_half), _mm256_extracti128_si256(lo_half, 1));
+    l4 = _mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0x4E));
+    l4 = _mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0xB1));
     *d = scale;
     *ds = scale * (float)sum;
     *start = iq_start(fmt, sum);
+    *start_lo = iq_start(fmt, _mm_cvtsi128_si32(l4));
 }
 
 static int iq_input_alloc(iq_input *a, int M, int K) {
@@ -120,7 +141,8 @@ static int iq_input_alloc(iq_input *a, int M, int K) {
     a->d = (float *)malloc((size_t)M * nb * 4);
     a->ds = (float *)malloc((size_t)M * nb * 4);
     a->start = (int32_t *)malloc((size_t)M * nb * 4);
-    return !a->q || !a->d || !a->ds || !a->start ? -1 : 0;
+    a->start_lo = (int32_t *)malloc((size_t)M * nb * 4);
+    return !a->q || !a->d || !a->ds || !a->start || !a->start_lo ? -1 : 0;
 }
 
 /* input row m quantized block by block into a */
@@ -129,7 +151,7 @@ static void iq_quantize_row(iq_input *a, const void *x, long m, int is_bf16, int
     for (int b = 0; b < nb; b++) {
         const long i = m * nb + b;
         iq_quantize_block((const char *)x + (m * K + (long)b * IQ_K) * esize, is_bf16, fmt,
-                          a->q + m * K + (long)b * IQ_K, a->d + i, a->ds + i, a->start + i);
+                          a->q + m * K + (long)b * IQ_K, a->d + i, a->ds + i, a->start + i, a->start_lo + i);
     }
 }
 
@@ -139,24 +161,28 @@ static int iq_input_init(iq_input *a, const void *x, int M, int K, int is_bf16, 
     return 0;
 }
 
-static void iq_input_free(iq_input *a) { free(a->q), free(a->d), free(a->ds), free(a->start); }
+static void iq_input_free(iq_input *a) { free(a->q), free(a->d), free(a->ds), free(a->start), free(a->start_lo); }
 
 #if IQ_LEVEL >= 2
+/* a block's 16 scales (float16 or float32) at p */
+static inline __m512 iq_scales16(const uint8_t *p, int f32) {
+    return f32 ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
 /* R input rows (from m0) x one panel, AVX-512 VNNI: out[r][i] = row m0 + r, weight row i */
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, float out[][IQ_ROWS]) {
-    const int rec = iq_record_bytes(fmt), nb = a->nb;
+    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = fmt == IQ_F8H;
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
         for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m512 mw = fmt == IQ_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
-                                         : _mm512_setzero_ps();
+        const __m512 dw = iq_scales16(p, f32);          /* F8H: the first half's */
+        const __m512 mw = iq_has_min(fmt) || halves ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
         __m512i w[8];
-        if (fmt == IQ_Q8_0) {
+        if (iq_is_signed(fmt)) {
             for (int j = 0; j < 8; j++) w[j] = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * j), flip);
         } else {
             for (int j = 0; j < 4; j++) {
@@ -165,7 +191,8 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
         }
-        /* rows in groups of 8, two dpbusd chains each, interleaved in program order: 16
+        /* rows in groups of 8, two dpbusd chains each (the block's halves: chunks 0-3 are
+           weights 0..15, chunks 4-7 weights 16..31), interleaved in program order: 16
            independent chains in flight hide vpdpbusd's latency, where one row's 8-long chain
            at a time left the core waiting (-11..-22% at 8 rows, 1 thread, AVX-512 VNNI Xeon).
            The int32 sums are exact in any order, so the bits are the same. */
@@ -173,34 +200,53 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
             const int G = R - r0 < IQ_GROUP ? R - r0 : IQ_GROUP;
             __m512i s[IQ_GROUP], t[IQ_GROUP];
             _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-                s[g] = iq_starts_at_zero(fmt) ? _mm512_setzero_si512()
-                                              : _mm512_set1_epi32(a->start[(m0 + r0 + g) * nb + b]);
-                t[g] = _mm512_setzero_si512();
+                const long i = (m0 + r0 + g) * nb + b;
+                if (iq_starts_at_zero(fmt)) {
+                    s[g] = t[g] = _mm512_setzero_si512();
+                } else if (halves) {
+                    s[g] = _mm512_set1_epi32(a->start_lo[i]);
+                    t[g] = _mm512_set1_epi32(a->start[i] - a->start_lo[i]);
+                } else {
+                    s[g] = _mm512_set1_epi32(a->start[i]);
+                    t[g] = _mm512_setzero_si512();
+                }
             }
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2)
+            _Pragma("GCC unroll 8") for (int j = 0; j < 4; j++)
                 _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
                     const int8_t *q = a->q + (m0 + r0 + g) * a->K + (long)b * IQ_K;
                     s[g] = _mm512_dpbusd_epi32(s[g], w[j], _mm512_set1_epi32(iq_load4(q + 4 * j)));
-                    t[g] = _mm512_dpbusd_epi32(t[g], w[j + 1], _mm512_set1_epi32(iq_load4(q + 4 * j + 4)));
+                    t[g] = _mm512_dpbusd_epi32(t[g], w[j + 4], _mm512_set1_epi32(iq_load4(q + 16 + 4 * j)));
                 }
             _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
                 const long i = (m0 + r0 + g) * nb + b;
-                const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i]));
-                acc[r0 + g] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_add_epi32(s[g], t[g])), acc[r0 + g]);
-                if (fmt == IQ_Q4_1) acc[r0 + g] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->ds[i]), acc[r0 + g]);
+                const __m512 dx = _mm512_set1_ps(a->d[i]);
+                __m512 v = acc[r0 + g];
+                if (halves) {
+                    v = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(s[g]), v);
+                    v = _mm512_fmadd_ps(_mm512_mul_ps(mw, dx), _mm512_cvtepi32_ps(t[g]), v);
+                } else {
+                    v = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(_mm512_add_epi32(s[g], t[g])), v);
+                    if (iq_has_min(fmt)) v = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->ds[i]), v);
+                }
+                acc[r0 + g] = v;
             }
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 #else
+/* a block's 8 scales (float16 or float32) of half h at p */
+static inline __m256 iq_scales8(const uint8_t *p, int h, int f32) {
+    return f32 ? _mm256_loadu_ps((const float *)p + 8 * h) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+}
+
 /* R input rows x half h (weight rows 8h..8h+7) of one panel, AVX2: the same lanes' arithmetic
    as the AVX-512 tile. Two 16-bit partial sums per lane pair are exact: Q4 codes <= 15 and
-   |q| <= 127 keep 8 maddubs results of a block below 2^15; Q8_0 uses |c| and q with c's sign
-   (|c| <= 128), each maddubs result widened at once. */
+   |q| <= 127 keep 8 maddubs results of a block below 2^15; int8 codes use |c| and q with c's
+   sign (|c| <= 128), each maddubs result widened at once, the block's halves summed apart. */
 static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, int h, float out[][IQ_ROWS]) {
-    const int rec = iq_record_bytes(fmt), nb = a->nb;
+    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = fmt == IQ_F8H;
     __m256 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -208,11 +254,10 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
         if (h == 0)
             for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
-        const __m256 mw = fmt == IQ_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h)))
-                                         : _mm256_setzero_ps();
+        const __m256 dw = iq_scales8(p, h, f32);
+        const __m256 mw = iq_has_min(fmt) || halves ? iq_scales8(p + (f32 ? 64 : 32), h, f32) : _mm256_setzero_ps();
         __m256i w[8];
-        if (fmt == IQ_Q8_0) {
+        if (iq_is_signed(fmt)) {
             for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
         } else {
             for (int j = 0; j < 4; j++) {
@@ -224,22 +269,31 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
             const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            const __m256 dx = _mm256_set1_ps(a->d[i]);
             __m256i s = iq_starts_at_zero(fmt) ? _mm256_setzero_si256() : _mm256_set1_epi32(a->start[i]);
-            if (fmt == IQ_Q8_0) {
+            if (iq_is_signed(fmt)) {
+                __m256i t = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
-                    const __m256i t = _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(qv, w[j]));
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+                    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[j]),
+                                                                                _mm256_sign_epi8(qv, w[j])), ones);
+                    if (j < 4) s = _mm256_add_epi32(s, prod);
+                    else t = _mm256_add_epi32(t, prod);
                 }
+                if (halves) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(t), acc[r]);
+                    continue;
+                }
+                s = _mm256_add_epi32(s, t);
             } else {
                 __m256i t = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++)
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(iq_load4(q + 4 * j))));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
             }
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->d[i]));
-            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s), acc[r]);
-            if (fmt == IQ_Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->ds[i]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
+            if (iq_has_min(fmt)) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->ds[i]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
@@ -259,12 +313,14 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
 #define IQ_DEFINE_ROWS(FMT) IQ_DEFINE(FMT, 1) IQ_DEFINE(FMT, 2) IQ_DEFINE(FMT, 3) IQ_DEFINE(FMT, 4) \
     IQ_DEFINE(FMT, 5) IQ_DEFINE(FMT, 6) IQ_DEFINE(FMT, 7) IQ_DEFINE(FMT, 8) IQ_DEFINE(FMT, 9) IQ_DEFINE(FMT, 10) \
     IQ_DEFINE(FMT, 11) IQ_DEFINE(FMT, 12) IQ_DEFINE(FMT, 13) IQ_DEFINE(FMT, 14) IQ_DEFINE(FMT, 15) IQ_DEFINE(FMT, 16)
-IQ_DEFINE_ROWS(IQ_Q4_0) IQ_DEFINE_ROWS(IQ_Q4_1) IQ_DEFINE_ROWS(IQ_Q8_0)
+IQ_DEFINE_ROWS(IQ_Q4_0) IQ_DEFINE_ROWS(IQ_Q4_1) IQ_DEFINE_ROWS(IQ_Q8_0) IQ_DEFINE_ROWS(IQ_F4) IQ_DEFINE_ROWS(IQ_F8)
+IQ_DEFINE_ROWS(IQ_F8H)
 typedef void (*iq_tile_fn)(const uint8_t *, const iq_input *, long, float[][IQ_ROWS]);
 #define IQ_ROW_FNS(FMT) {iq_tile_##FMT##_1, iq_tile_##FMT##_2, iq_tile_##FMT##_3, iq_tile_##FMT##_4, \
     iq_tile_##FMT##_5, iq_tile_##FMT##_6, iq_tile_##FMT##_7, iq_tile_##FMT##_8, iq_tile_##FMT##_9, iq_tile_##FMT##_10, \
     iq_tile_##FMT##_11, iq_tile_##FMT##_12, iq_tile_##FMT##_13, iq_tile_##FMT##_14, iq_tile_##FMT##_15, iq_tile_##FMT##_16}
-static const iq_tile_fn IQ_TILE_FNS[3][16] = {IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0)};
+static const iq_tile_fn IQ_TILE_FNS[IQ_NUM_FORMATS][16] = {
+    IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0), IQ_ROW_FNS(IQ_F4), IQ_ROW_FNS(IQ_F8), IQ_ROW_FNS(IQ_F8H)};
 
 /* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N) */
 static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long m0, long m1, int pnl,
@@ -284,7 +340,7 @@ static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long
 /* y = x @ W^T (+ bias) for W as panels (N rounded up to 16 rows, zero rows past N) */
 static int int_linear(const uint8_t *panels, int fmt, const void *x, const float *bias, void *y,
                       int M, int N, int K, int dtype, int nthreads) {
-    if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_Q8_0 || M < 1 || N < 1) return -1;
+    if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_NUM_FORMATS || M < 1 || N < 1) return -1;
     const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
     const long panel_bytes = (long)(K / IQ_K) * iq_record_bytes(fmt);
     iq_input a;

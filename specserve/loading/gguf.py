@@ -1,8 +1,9 @@
 """Read a GGUF checkpoint as float32 tensors under HF Llama names.
 
-Quantized tensors are dequantized with ``gguf.quants.dequantize``. Q4_0 / Q4_1 / Q8_0 tensors also
-carry their blocks as ``tensor.block_codes`` (``kernels.coded.BlockCodes``: the same values, which
-the CPU kernels can stream in ~6 bits a weight; see ``models/packed_linear``). llama.cpp's converter permutes
+Quantized tensors are dequantized with ``gguf.quants.dequantize``. Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
+and Q4_K / Q5_K / Q6_K tensors also carry their blocks as ``tensor.block_codes``
+(``kernels.coded.BlockCodes`` read by ``gguf_blocks``: the same values, which the CPU kernels can
+stream in 6-12 bits a weight; see ``models/packed_linear``). llama.cpp's converter permutes
 the rows of the Q and K projections of llama-arch models (its rope pairs adjacent dimensions, HF's
 ``rotate_half`` pairs the two halves of each head); we undo that so the weights match HF.
 """
@@ -18,6 +19,7 @@ import torch
 
 from specserve.config import ModelConfig
 from specserve.kernels.coded import CODE_BLOCK, RECORD_BYTES, BlockCodes, kernel_format_for
+from specserve.loading import gguf_blocks
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
@@ -105,36 +107,27 @@ def dequantize_tensor(tensor) -> torch.Tensor:
 
 
 def coded_weight_bytes(path: str | os.PathLike, dtype: torch.dtype) -> int:
-    """Bytes the CPU kernels' records of this GGUF's Q4_0 / Q4_1 / Q8_0 matrices take in
-    ``dtype`` (kept beside the dense weights; see ``block_codes``). Reads only the header."""
-    from gguf import GGMLQuantizationType as Q
-
-    bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
+    """Bytes the CPU kernels' records of this GGUF's block-coded matrices take in ``dtype`` (kept
+    beside the dense weights; see ``block_codes``). Reads only the header."""
     total = 0
     for tensor in open_gguf(path).tensors:
-        if tensor.tensor_type in bits and len(tensor.shape) == 2:
+        if tensor.tensor_type in gguf_blocks.BITS and len(tensor.shape) == 2:
             num_blocks = int(tensor.n_elements) // CODE_BLOCK
-            total += num_blocks * RECORD_BYTES[kernel_format_for(bits[tensor.tensor_type], dtype)]
+            total += num_blocks * RECORD_BYTES[kernel_format_for(gguf_blocks.BITS[tensor.tensor_type], dtype)]
     return total
 
 
 def block_codes(tensor) -> BlockCodes | None:
-    """A Q4_0 / Q4_1 / Q8_0 matrix's blocks as ``BlockCodes`` (values ``scale * code + min``,
-    exactly what ``dequantize_tensor`` computes); None for other tensors."""
-    from gguf import GGMLQuantizationType as Q
+    """A quantized matrix's blocks as ``BlockCodes`` (``gguf_blocks``: exactly the values
+    ``dequantize_tensor`` computes); None for other tensors."""
+    from gguf import GGML_QUANT_SIZES
 
-    kind = tensor.tensor_type
-    if kind not in (Q.Q4_0, Q.Q4_1, Q.Q8_0) or len(tensor.shape) != 2:
+    reader = gguf_blocks.READERS.get(tensor.tensor_type)
+    if reader is None or len(tensor.shape) != 2:
         return None
     num_rows, num_in = (int(dim) for dim in reversed(tensor.shape))
-    blocks = np.asarray(tensor.data).reshape(num_rows * num_in // CODE_BLOCK, -1)
-    scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    if kind == Q.Q8_0:
-        codes, mins, bits = blocks[:, 2:].copy().view(np.int8), np.zeros_like(scales), 8
-    else:                     # byte j holds weights j (low nibble) and j + 16 (high nibble)
-        packed = blocks[:, 4:] if kind == Q.Q4_1 else blocks[:, 2:]
-        codes, bits = np.concatenate([packed & 15, packed >> 4], axis=1), 4
-        mins = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if kind == Q.Q4_1 else -8 * scales
+    block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
+    codes, scales, mins, bits = reader(np.asarray(tensor.data).reshape(-1, block_bytes))
     as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(num_rows, -1))  # noqa: E731
     return BlockCodes(as_rows(codes), as_rows(scales), as_rows(mins), bits)
 

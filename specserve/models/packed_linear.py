@@ -26,15 +26,16 @@ AVX-NE-CONVERT) run ``F.linear`` in bfloat16 through a reference loop, 3-50x slo
 float32; there bfloat16 layers use the skinny kernel for every row count (prefill too), or,
 where it cannot be built, a packed float32 copy of the weight, rounding results to bfloat16.
 
-Weights loaded from a Q4_0 / Q4_1 / Q8_0 GGUF carry their code blocks (``weight.block_codes``,
-``kernels/coded.py``). Where the skinny kernel runs, packing keeps those codes too, checked to
-rebuild the weight bit for bit, and the kernel streams the codes (6-12 bits a weight) instead
+Weights loaded from a quantized GGUF (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) carry their
+code blocks (``weight.block_codes``, ``kernels/coded.py``). Where the skinny kernel runs, packing
+keeps those with a scale per 32 weights (all but Q6_K), checked to rebuild the weight bit for
+bit, and the kernel streams the codes (6-12 bits a weight) instead
 of the dense weight: the same result bits, a fraction of the memory traffic. Measured on an
 AVX2 AMD EPYC, one thread, all of the default model's linears: float32 one row 2.5x faster,
 8 rows 1.1x, 32 rows 1.1x; bfloat16 one row 1.3x, 4 rows 1.0x, 32 rows 1.2x.
 
 ``quantization="gguf"`` (SGLang's name; ``--quantization gguf``) trades those exact bits for
-speed: linears whose weights carry Q4_0 / Q4_1 / Q8_0 blocks run the integer kernel
+speed: linears whose weights carry GGUF blocks (any of the types above) run the integer kernel
 (``kernels/int_linear.c``) for every input, prefill too: each input row is quantized to 8 bits
 per block of 32 and multiplied in integer SIMD against the blocks, as llama.cpp does. Results then
 differ from the dequantized float32 model (greedy output differs from HF float32 the way
@@ -200,7 +201,7 @@ def _use_skinny(module: Linear) -> bool:
         return False
     module.skinny_bias = None if module.bias is None else module.bias.detach().float()
     codes = getattr(weight, "block_codes", None)
-    if codes is not None and _rebuilds(codes, weight):
+    if codes is not None and codes.has_records() and _rebuilds(codes, weight):
         module.coded_records = codes.records(weight.dtype)
         module.coded_format = codes.kernel_format(weight.dtype)
         del weight.block_codes             # the records hold them now (a byte a weight less kept)

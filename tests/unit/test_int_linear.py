@@ -9,20 +9,45 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from specserve.kernels import build, int_codes
-from specserve.kernels.int_codes import INT_Q4_0, INT_Q4_1, INT_Q8_0
+from specserve.kernels.int_codes import INT_F4, INT_F8, INT_F8H, INT_Q4_0, INT_Q4_1, INT_Q8_0
 from specserve.loading.gguf import block_codes
 
 needs_kernel = pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here (no AVX2 or no C compiler)")
-KINDS = {Q.Q4_0: INT_Q4_0, Q.Q4_1: INT_Q4_1, Q.Q8_0: INT_Q8_0}
+KINDS = {Q.Q4_0: INT_Q4_0, Q.Q4_1: INT_Q4_1, Q.Q8_0: INT_Q8_0, Q.Q5_0: INT_Q8_0, Q.Q5_1: INT_F8,
+         Q.Q4_K: INT_F4, Q.Q5_K: INT_F8, Q.Q6_K: INT_F8H}
+WITH_MIN = (INT_Q4_1, INT_F4, INT_F8)
+SCALE_BYTES = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
+               Q.Q5_K: [0, 2], Q.Q6_K: [208]}    # where each block's float16 scales lie
+
+
+def _width(kind, cols: int) -> int:
+    """cols rounded up to whole blocks of ``kind`` (256 weights for the K-quants)."""
+    block = GGML_QUANT_SIZES[kind][0]
+    return -(-cols // block) * block
+
+
+def raw_blocks(kind, rows: int, cols: int, seed: int) -> np.ndarray:
+    """GGUF data of a [rows, cols] matrix of ``kind``: quantized normal values where gguf-py
+    quantizes that type, random codes and scales (any bytes are valid blocks) where it does not."""
+    rng = np.random.default_rng(seed)
+    try:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, kind)
+    except NotImplementedError:
+        pass
+    block, block_bytes = GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows * cols // block, block_bytes), dtype=np.uint8)
+    for start in SCALE_BYTES[kind]:
+        raw[:, start:start + 2] = rng.uniform(1e-3, 2e-2, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
 
 
 def _codes(kind, rows: int, cols: int, seed: int):
-    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-    tensor = SimpleNamespace(tensor_type=kind, shape=np.array([cols, rows]), data=quantize(values, kind))
+    tensor = SimpleNamespace(tensor_type=kind, shape=np.array([cols, rows]), data=raw_blocks(kind, rows, cols, seed))
     return block_codes(tensor)
 
 
@@ -54,12 +79,19 @@ def _int_linear_ref(x: torch.Tensor, codes, fmt: int, bias: torch.Tensor | None 
     c = codes.codes.numpy().astype(np.int64).reshape(codes.shape[0], -1, 32)
     if fmt == INT_Q4_0:
         c = c - 8
-    scales, mins = codes.scales.numpy(), codes.mins.numpy()              # [N, B]
+    scales, mins = codes.scales.numpy(), codes.mins.numpy()              # [N, B] (F8H: [N, 2B])
     acc = np.zeros((x.shape[0], codes.shape[0]), np.float32)            # [M, N]
+    scaled = lambda s: (s[None, :] * d[:, b, None]).astype(np.float32)  # noqa: E731
     for b in range(q.shape[1]):
+        if fmt == INT_F8H:                                              # halves summed and scaled apart
+            for h in range(2):
+                half = slice(16 * h, 16 * h + 16)
+                p = (q[:, b, half] @ c[:, b, half].T).astype(np.float32)
+                acc = _fma(scaled(scales[:, 2 * b + h]), p, acc)
+            continue
         p = (q[:, b] @ c[:, b].T).astype(np.float32)                    # exact integer sums
-        acc = _fma((scales[None, :, b] * d[:, b, None]).astype(np.float32), p, acc)
-        if fmt == INT_Q4_1:
+        acc = _fma(scaled(scales[:, b]), p, acc)
+        if fmt in WITH_MIN:
             ds = (d[:, b] * q[:, b].sum(-1).astype(np.float32)).astype(np.float32)
             acc = _fma(mins[None, :, b], ds[:, None], acc)
     return acc if bias is None else (acc + bias.numpy()[None]).astype(np.float32)
@@ -75,7 +107,7 @@ def _panels(codes, kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_format_read_off_the_blocks(kind):
-    assert int_codes.int_format(_codes(kind, 16, 64, seed=3)) == KINDS[kind]
+    assert int_codes.int_format(_codes(kind, 16, _width(kind, 64), seed=3)) == KINDS[kind]
 
 
 def test_panel_layout():
@@ -109,6 +141,7 @@ def test_activation_quantization_matches_reference():
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("num_out,num_in", [(40, 96), (576, 576)])
 def test_kernel_matches_reference_bits(kind, num_out, num_in):
+    num_in = _width(kind, num_in)
     codes = _codes(kind, num_out, num_in, seed=int(kind) + num_in)
     panels, fmt = _panels(codes, kind)
     x = _inputs(11, num_in, seed=7)
@@ -122,7 +155,7 @@ def test_kernel_matches_reference_bits(kind, num_out, num_in):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_close_to_float_product(kind):
     """Quantizing the inputs to 8 bits costs ~1% of a row's norm, no more."""
-    codes = _codes(kind, 64, 256, seed=9)
+    codes = _codes(kind, 64, 256, seed=9)        # every kind's block divides 256
     panels, fmt = _panels(codes, kind)
     x = _inputs(3, 256, seed=10)
     got = int_codes.int_linear(x, panels, fmt, codes.shape)
@@ -135,9 +168,10 @@ def test_close_to_float_product(kind):
 def test_row_invariance_over_row_counts(kind):
     """Each row's bits are the same alone, inside 1..16 rows, and inside a prefill-sized call
     (several 64-row chunks), bfloat16 too."""
-    codes = _codes(kind, 48, 192, seed=11)
+    cols = _width(kind, 192)
+    codes = _codes(kind, 48, cols, seed=11)
     panels, fmt = _panels(codes, kind)
-    x = _inputs(150, 192, seed=12)
+    x = _inputs(150, cols, seed=12)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         alone = torch.cat([int_codes.int_linear(xd[i:i + 1], panels, fmt, codes.shape) for i in range(16)])
@@ -156,9 +190,10 @@ def test_every_runnable_variant_gives_the_same_bits(kind):
     variants = [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]
     if len(variants) < 2:
         pytest.skip(f"only {variants} runs on this CPU")
-    codes = _codes(kind, 80, 320, seed=13)
+    cols = _width(kind, 320)
+    codes = _codes(kind, 80, cols, seed=13)
     panels, fmt = _panels(codes, kind)
-    x = _inputs(13, 320, seed=14)
+    x = _inputs(13, cols, seed=14)
     results = [int_codes.int_linear(x, panels, fmt, codes.shape, library=build.load_variant(v)) for v in variants]
     for other in results[1:]:
         assert torch.equal(other, results[0])
