@@ -2,8 +2,9 @@
 
 ``panels(codes)`` turns a matrix's ``BlockCodes`` into the kernel's panels of 16 weight rows (the
 layout is described in ``int_linear.c``); ``int_format(codes)`` tells which kernel format holds
-the blocks exactly, read off their values: Q4_0 (mins -8 x scale), Q4_1 and Q8_0 (signed codes,
-no min) where scales and mins are float16 values as GGUF stores them; otherwise the float32-scaled
+the blocks exactly, read off their values: Q4_0 (mins -8 x scale), Q4_1, Q5_0 (codes -16..15, no
+min), Q5_1 (codes 0..31) and Q8_0 (signed codes, no min) where scales and mins are float16 values
+as GGUF stores them; otherwise the float32-scaled
 formats: F4 (4-bit codes: Q4_K), F8 (8-bit codes: Q5_0, Q5_1, Q5_K) and F8H (8-bit codes with a
 scale per 16 weights and no min: Q6_K). ``int_linear(x, panels, fmt, shape)`` runs the kernel.
 """
@@ -21,14 +22,20 @@ from specserve.kernels.coded import CODE_BLOCK, BlockCodes
 PANEL_ROWS = 16
 INT_Q4_0, INT_Q4_1, INT_Q8_0 = 1, 2, 3        # int_linear.c's IQ_Q4_0, IQ_Q4_1, IQ_Q8_0
 INT_F4, INT_F8, INT_F8H = 4, 5, 6             # its IQ_F4, IQ_F8, IQ_F8H: float32 scales
-FORMAT_NAMES = {INT_Q4_0: "Q4_0", INT_Q4_1: "Q4_1", INT_Q8_0: "Q8_0", INT_F4: "F4", INT_F8: "F8", INT_F8H: "F8H"}
+INT_Q5_0, INT_Q5_1 = 7, 8                     # its IQ_Q5_0, IQ_Q5_1: nibbles and a plane of fifth bits
+FORMAT_NAMES = {INT_Q4_0: "Q4_0", INT_Q4_1: "Q4_1", INT_Q8_0: "Q8_0", INT_F4: "F4", INT_F8: "F8", INT_F8H: "F8H",
+                INT_Q5_0: "Q5_0", INT_Q5_1: "Q5_1"}
 FLOAT32_SCALED = (INT_F4, INT_F8, INT_F8H)
-HEADER_BYTES = {INT_Q4_0: 32, INT_Q4_1: 64, INT_Q8_0: 32, INT_F4: 128, INT_F8: 128, INT_F8H: 128}
+WITH_MINS = (INT_Q4_1, INT_Q5_1, INT_F4, INT_F8)
+FIVE_BIT = (INT_Q5_0, INT_Q5_1)
+NIBBLE_CODED = (INT_Q4_0, INT_Q4_1, INT_F4) + FIVE_BIT
+HEADER_BYTES = {INT_Q4_0: 32, INT_Q4_1: 64, INT_Q8_0: 32, INT_F4: 128, INT_F8: 128, INT_F8H: 128, INT_Q5_0: 32,
+                INT_Q5_1: 64}
 
 
 def record_bytes(fmt: int) -> int:
     """Bytes of one block of a panel (16 rows x 32 weights): scales, mins, codes."""
-    return HEADER_BYTES[fmt] + (256 if fmt in (INT_Q4_0, INT_Q4_1, INT_F4) else 512)
+    return HEADER_BYTES[fmt] + (256 if fmt in NIBBLE_CODED else 512) + (64 if fmt in FIVE_BIT else 0)
 
 
 def int_format(codes: BlockCodes) -> int | None:
@@ -37,11 +44,21 @@ def int_format(codes: BlockCodes) -> int | None:
     if codes.sub_block != CODE_BLOCK:
         return None if mins.any() else INT_F8H
     if codes.bits == 8:
-        return INT_Q8_0 if not mins.any() and _is_float16(scales) else INT_F8
+        return _eight_bit_format(codes)
     if _is_float16(scales) and torch.equal(mins, -8 * scales):
         return INT_Q4_0
     return INT_Q4_1 if _is_float16(scales) and _is_float16(mins) else INT_F4
 
+
+
+def _eight_bit_format(codes: BlockCodes) -> int:
+    """8-bit codes: Q5_0 or Q5_1 where they fit 5 bits (fewer bytes to stream), else Q8_0 or F8."""
+    low, high = int(codes.codes.min()), int(codes.codes.max())
+    if not _is_float16(codes.scales):
+        return INT_F8
+    if not codes.mins.any():
+        return INT_Q5_0 if -16 <= low and high <= 15 else INT_Q8_0
+    return INT_Q5_1 if 0 <= low and high <= 31 and _is_float16(codes.mins) else INT_F8
 
 
 def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
@@ -56,9 +73,15 @@ def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
         return a.reshape(num_panels, PANEL_ROWS, *a.shape[1:])
 
     # codes [P, 16 rows, blocks, 8 chunks, 4] -> [P, blocks, 8 chunks, 16 rows, 4]
-    raw = by_panel(codes.codes.numpy().view(np.uint8).reshape(num_rows, num_blocks, 8, 4))
-    chunks = raw.transpose(0, 2, 3, 1, 4)
-    if codes.bits == 4:                               # chunk j low nibble, chunk j + 4 high
+    stored = codes.codes.numpy() + (16 if fmt == INT_Q5_0 else 0)      # Q5_0: c + 16, 0..31
+    raw = by_panel(stored.astype(np.int8).view(np.uint8).reshape(num_rows, num_blocks, 8, 4))
+    chunks = raw.transpose(0, 2, 3, 1, 4)             # [P, blocks, 8 chunks, 16 rows, 4]
+    fifth = None
+    if fmt in FIVE_BIT:                               # chunk j's fifth bits: bit 4i + t, row i weight 4j + t
+        bits = ((chunks >> 4) & 1).reshape(num_panels, num_blocks, 8, 64)
+        fifth = np.packbits(bits, axis=-1, bitorder="little").reshape(num_panels, num_blocks, 64)
+        chunks = chunks & 15
+    if fmt in NIBBLE_CODED:                           # chunk j low nibble, chunk j + 4 high
         chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
     header_dtype = np.float32 if fmt in FLOAT32_SCALED else np.float16
     as_header = lambda a: by_panel(a).transpose(0, 2, 1).astype(header_dtype)  # noqa: E731  [P, blocks, 16]
@@ -67,10 +90,11 @@ def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
         parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])]
     else:
         parts = [as_header(scales)]
-    if fmt in (INT_Q4_1, INT_F4, INT_F8):
+    if fmt in WITH_MINS:
         parts.append(as_header(codes.mins.numpy()))
     header = [np.ascontiguousarray(p).view(np.uint8).reshape(num_panels, num_blocks, -1) for p in parts]
-    records = np.concatenate([*header, chunks.reshape(num_panels, num_blocks, -1)], axis=-1)
+    body = [chunks.reshape(num_panels, num_blocks, -1)] + ([] if fifth is None else [fifth])
+    records = np.concatenate([*header, *body], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(records.reshape(num_panels, -1)))
 
 

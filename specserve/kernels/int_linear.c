@@ -1,4 +1,4 @@
-/* Integer linear over GGUF weight blocks (Q4_0, Q4_1, Q8_0 as stored; Q5_0, Q5_1, Q4_K, Q5_K
+/* Integer linear over GGUF weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 as stored; Q4_K, Q5_K
    and Q6_K through the float32-scaled formats below): the `--quantization gguf` path.
 
        y[M, N] = x[M, K] @ W[N, K]^T (+ bias)
@@ -8,9 +8,9 @@
    dx (as llama.cpp's Q8_0/Q8_1), and every block's dot product runs in integers:
 
        p     = sum_k c_k q_k - off             off = 8 * sum(q) for Q4_0 (codes 0..15 stand for c - 8),
-                                               else 0 (the int32 sum is exact)
+                                               16 * sum(q) for Q5_0, else 0 (the int32 sum is exact)
        acc   = fma(d * dx, float(p), acc)      per block, in block order
-       acc   = fma(m, dx * sum(q), acc)        formats with a min (Q4_1, F4, F8)
+       acc   = fma(m, dx * sum(q), acc)        formats with a min (Q4_1, Q5_1, F4, F8)
        y     = acc (+ bias)
 
    The F formats hold blocks whose scales are not float16 values (K-quants: a super-block's
@@ -26,7 +26,8 @@
    where code chunk j (j = 0..7: weights k = 4j..4j+3 of the block) is 64 bytes, byte 4i + t =
    row i's weight 4j + t. Q8_0 and F8* store the 8 chunks as int8 (512 bytes); Q4_0/Q4_1/F4 store
    chunk j (low nibble) and chunk j + 4 (high nibble) in one 64-byte group, 4 groups (256
-   bytes). So one vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial
+   bytes); Q5_0/Q5_1 add their codes' fifth bits after those, 8 bytes per chunk, bit 4i + t =
+   row i's weight 4j + t (a byte mask on AVX-512: one masked move puts them in place). So one vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial
    sums in its 16 lanes: no horizontal sums, the weights of a block are decoded once for every
    input row of the tile (register blocking over W), and each lane's arithmetic is the same
    whatever the vector width: the AVX2 variant runs the same panels as two halves of 8 lanes
@@ -44,7 +45,8 @@
 #ifndef IQ_PREFETCH_BYTES
 #define IQ_PREFETCH_BYTES 16384  /* weights prefetched this far ahead (panels lie back to back) */
 #endif
-enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5, IQ_F8H = 6, IQ_NUM_FORMATS = 6 };
+enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5, IQ_F8H = 6, IQ_Q5_0 = 7, IQ_Q5_1 = 8,
+       IQ_NUM_FORMATS = 8 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IQ_LEVEL 2            /* avx512_vnni */
@@ -55,11 +57,17 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5,
 #define IQ_TILE 4
 #endif
 
-static inline int iq_is_f32(int fmt) { return fmt >= IQ_F4; }                  /* float32 scales */
-static inline int iq_is_nibble(int fmt) { return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4; }
-static inline int iq_has_min(int fmt) { return fmt == IQ_Q4_1 || fmt == IQ_F4 || fmt == IQ_F8; }
-static inline int iq_scale_bytes(int fmt) { return iq_is_f32(fmt) ? 128 : fmt == IQ_Q4_1 ? 64 : 32; }
-static inline int iq_record_bytes(int fmt) { return iq_scale_bytes(fmt) + (iq_is_nibble(fmt) ? 256 : 512); }
+static inline int iq_is_f32(int fmt) { return fmt >= IQ_F4 && fmt <= IQ_F8H; }   /* float32 scales */
+static inline int iq_has_fifth_bit(int fmt) { return fmt == IQ_Q5_0 || fmt == IQ_Q5_1; }
+/* codes as nibbles (and maybe a fifth bit), unsigned */
+static inline int iq_is_nibble(int fmt) {
+    return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4 || iq_has_fifth_bit(fmt);
+}
+static inline int iq_has_min(int fmt) { return fmt == IQ_Q4_1 || fmt == IQ_Q5_1 || fmt == IQ_F4 || fmt == IQ_F8; }
+static inline int iq_scale_bytes(int fmt) { return iq_is_f32(fmt) ? 128 : iq_has_min(fmt) ? 64 : 32; }
+static inline int iq_record_bytes(int fmt) {
+    return iq_scale_bytes(fmt) + (iq_is_nibble(fmt) ? 256 : 512) + (iq_has_fifth_bit(fmt) ? 64 : 0);
+}
 
 /* The input rows quantized: q [M, K] int8; per row and block (index m * nb + b): the scale d,
    d * sum(q) (for the min term), the int32 start value of the block's integer sum and that of
@@ -82,9 +90,10 @@ static inline int iq_is_signed(int fmt) { return !iq_is_nibble(fmt); }
 
 /* The integer sum's start value for q that sum to `sum`: minus the codes' offset times the sum,
    where the kernel's unsigned operand is the code plus an offset (Q4_0: the stored nibble is
-   c + 8; int8 codes on VNNI: c + 128). */
+   c + 8; Q5_0: c + 16; int8 codes on VNNI: c + 128). */
 static inline int32_t iq_start(int fmt, int32_t sum) {
     if (fmt == IQ_Q4_0) return -8 * sum;
+    if (fmt == IQ_Q5_0) return -16 * sum;
     if (iq_is_signed(fmt) && IQ_LEVEL >= 2) return -128 * sum;
     return 0;
 }
@@ -190,6 +199,14 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
                 w[j] = _mm512_and_si512(v, nibble);
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
+            if (iq_has_fifth_bit(fmt)) {
+                const __m512i sixteen = _mm512_set1_epi8(16);
+                for (int j = 0; j < 8; j++) {
+                    uint64_t bits;
+                    memcpy(&bits, codes + 256 + 8 * j, 8);
+                    w[j] = _mm512_or_si512(w[j], _mm512_maskz_mov_epi8((__mmask64)bits, sixteen));
+                }
+            }
         }
         /* rows in groups of 8, two dpbusd chains each (the block's halves: chunks 0-3 are
            weights 0..15, chunks 4-7 weights 16..31), interleaved in program order: 16
@@ -235,6 +252,16 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 #else
+/* 32 bytes of 0 or 16: bit b of the 4 bytes at p set -> byte b is 16 (a chunk half's fifth bits) */
+static inline __m256i iq_fifth_bits32(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
 /* a block's 8 scales (float16 or float32) of half h at p */
 static inline __m256 iq_scales8(const uint8_t *p, int h, int f32) {
     return f32 ? _mm256_loadu_ps((const float *)p + 8 * h) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
@@ -265,6 +292,8 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                 w[j] = _mm256_and_si256(v, nibble);
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             }
+            if (iq_has_fifth_bit(fmt))
+                for (int j = 0; j < 8; j++) w[j] = _mm256_or_si256(w[j], iq_fifth_bits32(codes + 256 - 32 * h + 8 * j + 4 * h));
         }
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
@@ -286,10 +315,15 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                     continue;
                 }
                 s = _mm256_add_epi32(s, t);
-            } else {
+            } else {      /* 5-bit codes: widened every 4 chunks (8 products of <= 31 * 127 fit) */
                 __m256i t = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++) {
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(iq_load4(q + 4 * j))));
+                    if (iq_has_fifth_bit(fmt) && j == 3) {
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+                        t = _mm256_setzero_si256();
+                    }
+                }
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
             }
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
@@ -314,13 +348,14 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     IQ_DEFINE(FMT, 5) IQ_DEFINE(FMT, 6) IQ_DEFINE(FMT, 7) IQ_DEFINE(FMT, 8) IQ_DEFINE(FMT, 9) IQ_DEFINE(FMT, 10) \
     IQ_DEFINE(FMT, 11) IQ_DEFINE(FMT, 12) IQ_DEFINE(FMT, 13) IQ_DEFINE(FMT, 14) IQ_DEFINE(FMT, 15) IQ_DEFINE(FMT, 16)
 IQ_DEFINE_ROWS(IQ_Q4_0) IQ_DEFINE_ROWS(IQ_Q4_1) IQ_DEFINE_ROWS(IQ_Q8_0) IQ_DEFINE_ROWS(IQ_F4) IQ_DEFINE_ROWS(IQ_F8)
-IQ_DEFINE_ROWS(IQ_F8H)
+IQ_DEFINE_ROWS(IQ_F8H) IQ_DEFINE_ROWS(IQ_Q5_0) IQ_DEFINE_ROWS(IQ_Q5_1)
 typedef void (*iq_tile_fn)(const uint8_t *, const iq_input *, long, float[][IQ_ROWS]);
 #define IQ_ROW_FNS(FMT) {iq_tile_##FMT##_1, iq_tile_##FMT##_2, iq_tile_##FMT##_3, iq_tile_##FMT##_4, \
     iq_tile_##FMT##_5, iq_tile_##FMT##_6, iq_tile_##FMT##_7, iq_tile_##FMT##_8, iq_tile_##FMT##_9, iq_tile_##FMT##_10, \
     iq_tile_##FMT##_11, iq_tile_##FMT##_12, iq_tile_##FMT##_13, iq_tile_##FMT##_14, iq_tile_##FMT##_15, iq_tile_##FMT##_16}
 static const iq_tile_fn IQ_TILE_FNS[IQ_NUM_FORMATS][16] = {
-    IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0), IQ_ROW_FNS(IQ_F4), IQ_ROW_FNS(IQ_F8), IQ_ROW_FNS(IQ_F8H)};
+    IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0), IQ_ROW_FNS(IQ_F4), IQ_ROW_FNS(IQ_F8), IQ_ROW_FNS(IQ_F8H),
+    IQ_ROW_FNS(IQ_Q5_0), IQ_ROW_FNS(IQ_Q5_1)};
 
 /* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N) */
 static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long m0, long m1, int pnl,

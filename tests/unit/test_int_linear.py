@@ -14,13 +14,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from specserve.kernels import build, int_codes
-from specserve.kernels.int_codes import INT_F4, INT_F8, INT_F8H, INT_Q4_0, INT_Q4_1, INT_Q8_0
+from specserve.kernels.int_codes import INT_F4, INT_F8, INT_F8H, INT_Q4_0, INT_Q4_1, INT_Q5_0, INT_Q5_1, INT_Q8_0
 from specserve.loading.gguf import block_codes
 
 needs_kernel = pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here (no AVX2 or no C compiler)")
-KINDS = {Q.Q4_0: INT_Q4_0, Q.Q4_1: INT_Q4_1, Q.Q8_0: INT_Q8_0, Q.Q5_0: INT_Q8_0, Q.Q5_1: INT_F8,
+KINDS = {Q.Q4_0: INT_Q4_0, Q.Q4_1: INT_Q4_1, Q.Q8_0: INT_Q8_0, Q.Q5_0: INT_Q5_0, Q.Q5_1: INT_Q5_1,
          Q.Q4_K: INT_F4, Q.Q5_K: INT_F8, Q.Q6_K: INT_F8H}
-WITH_MIN = (INT_Q4_1, INT_F4, INT_F8)
+WITH_MIN = int_codes.WITH_MINS
 SCALE_BYTES = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
                Q.Q5_K: [0, 2], Q.Q6_K: [208]}    # where each block's float16 scales lie
 
