@@ -10,6 +10,7 @@ the rows of the Q and K projections of llama-arch models (its rope pairs adjacen
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from typing import Iterator
@@ -20,6 +21,8 @@ import torch
 from specserve.config import ModelConfig
 from specserve.kernels.coded import CODE_BLOCK, RECORD_BYTES, BlockCodes, kernel_format_for
 from specserve.loading import gguf_blocks
+
+logger = logging.getLogger(__name__)
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
@@ -84,6 +87,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, WeightIterator]:
 
 def _iter_tensors(reader, config: ModelConfig) -> WeightIterator:
     arch = config.extra.get("model_type", "llama")
+    _log_types_without_kernels(reader)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         weight = dequantize_tensor(tensor)
@@ -94,6 +98,20 @@ def _iter_tensors(reader, config: ModelConfig) -> WeightIterator:
         if codes is not None:
             weight.block_codes = codes
         yield name, weight
+
+
+def _log_types_without_kernels(reader) -> None:
+    """One warning naming the quantized matrix types that no CPU kernel streams (they load as
+    dense float32: 4 bytes a weight to read per token instead of under one)."""
+    from gguf import GGMLQuantizationType as Q
+
+    dense = (Q.F32, Q.F16, Q.BF16)
+    missing = sorted({t.tensor_type.name for t in reader.tensors
+                      if len(t.shape) == 2 and t.tensor_type not in gguf_blocks.READERS and t.tensor_type not in dense})
+    if missing:
+        logger.warning("GGUF types %s have no integer kernel here: those matrices run as dense float32 "
+                       "(slower; the kernels take %s)", ", ".join(missing),
+                       ", ".join(t.name for t in gguf_blocks.READERS))
 
 
 def dequantize_tensor(tensor) -> torch.Tensor:

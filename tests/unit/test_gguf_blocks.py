@@ -80,3 +80,17 @@ def test_unquant_keeps_the_exact_weights(kind, coded):
     with torch.inference_mode():
         expected = x @ layer.weight.T                # float32 sums: orders differ in the last bits
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+
+
+def test_types_without_kernels_are_named_once_at_load(caplog):
+    from specserve.loading.gguf import _log_types_without_kernels
+
+    matrix = lambda kind: SimpleNamespace(tensor_type=kind, shape=np.array([256, 4]))  # noqa: E731
+    reader = SimpleNamespace(tensors=[matrix(Q.Q3_K), matrix(Q.Q3_K), matrix(Q.Q4_K), matrix(Q.F16),
+                                      SimpleNamespace(tensor_type=Q.Q2_K, shape=np.array([256]))])
+    with caplog.at_level("WARNING"):
+        _log_types_without_kernels(reader)
+    assert len(caplog.records) == 1 and "Q3_K have no integer kernel" in caplog.text
+    caplog.clear()
+    _log_types_without_kernels(SimpleNamespace(tensors=[matrix(Q.Q4_K), matrix(Q.Q6_K)]))
+    assert not caplog.records
