@@ -152,19 +152,38 @@ static vecf score_tile(const float *q, const char *const *keys, int head_dim, in
     }
 }
 
+/* A tile's key rows as score_tile reads them: bfloat16 rows widened once into `widened`
+   (ATT_LANES rows of hd16 floats, exact) for all the query heads that score them, instead of
+   once per head (at batch 32 the per-head widening made a bfloat16 cache no faster than a
+   float32 one); float32 rows in place. head_dim <= 512 (attention_rows checks). */
+static void tile_rows(const char *const *rows, const char **out, float *widened, int head_dim, int hd16, int is_bf16) {
+    for (int i = 0; i < ATT_LANES; i++) {
+        if (!is_bf16) {
+            out[i] = rows[i];
+            continue;
+        }
+        float *dst = widened + (long)i * hd16;
+        for (int d = 0; d < hd16; d += 8)
+            _mm256_storeu_ps(dst + d, d < head_dim ? load_bf16((const uint16_t *)rows[i] + d) : _mm256_setzero_ps());
+        out[i] = (const char *)dst;
+    }
+}
+
 /* scores[g * padded + l] = q_g . K[slots[l]] for the `group` query heads (q: group x hd16,
    zero padded), ATT_LANES keys at a time (a short last tile repeats its first key) */
 static void score_keys(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
                        int group, int head_dim, int hd16, int is_bf16, int padded, float *scores) {
     const int esize = is_bf16 ? 2 : 4;
+    float widened[ATT_LANES * 512];
     for (int l0 = 0; l0 < num_keys; l0 += ATT_LANES) {
         const int n = num_keys - l0 < ATT_LANES ? num_keys - l0 : ATT_LANES;
-        const char *keys[ATT_LANES];
-        for (int i = 0; i < ATT_LANES; i++) keys[i] = k_base + slots[l0 + (i < n ? i : 0)] * slot_stride;
+        const char *rows[ATT_LANES], *keys[ATT_LANES];
+        for (int i = 0; i < ATT_LANES; i++) rows[i] = k_base + slots[l0 + (i < n ? i : 0)] * slot_stride;
         for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < num_keys; i++)   /* the next tile's keys */
             prefetch_row(k_base + slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
+        tile_rows(rows, keys, widened, head_dim, hd16, is_bf16);
         for (int g = 0; g < group; g++)
-            v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16, is_bf16), n);
+            v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16, 0), n);
     }
 }
 
@@ -348,15 +367,17 @@ static void attend_block(const void *q, long q_ld, const void *k_layer, const vo
                     s[r].qf[g * hd16 + d] = get_elem(q, q_off + g * head_dim + d, q_bf16) * scale;
         }
         for (int l0 = 0; l0 < shared; l0 += ATT_LANES) {
-            const char *keys[ATT_LANES];
-            for (int i = 0; i < ATT_LANES; i++) keys[i] = k_base + s[0].slots[l0 + i] * slot_stride;
+            const char *tile[ATT_LANES], *keys[ATT_LANES];
+            float widened[ATT_LANES * 512];
+            for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + s[0].slots[l0 + i] * slot_stride;
             for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < shared; i++)
                 prefetch_row(k_base + s[0].slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
+            tile_rows(tile, keys, widened, head_dim, hd16, is_bf16);
             for (int r = 0; r < rows; r++) {
                 const int padded = (s[r].num_keys + 7) / 8 * 8;
                 for (int g = 0; g < group; g++)
                     v_store_part(s[r].scores + g * padded + l0,
-                                 score_tile(s[r].qf + g * hd16, keys, head_dim, hd16, is_bf16), ATT_LANES);
+                                 score_tile(s[r].qf + g * hd16, keys, head_dim, hd16, 0), ATT_LANES);
             }
         }
         for (int r = 0; r < rows; r++)
@@ -401,7 +422,7 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
                    int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
                    int dtype, int kv_dtype, int nthreads) {
     const int group = num_heads / num_kv_heads;
-    if (head_dim % 8 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
+    if (head_dim % 8 || head_dim > 512 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
     const int q_bf16 = dtype == DTYPE_BF16, is_bf16 = kv_dtype == DTYPE_BF16;
     const int hd16 = (head_dim + 15) / 16 * 16;
     /* a task: a segment of consecutive rows of one request (at most `block`) with all their KV
