@@ -2,11 +2,11 @@
 
 ``panels(codes)`` turns a matrix's ``BlockCodes`` into the kernel's panels of 16 weight rows (the
 layout is described in ``int_linear.c``); ``int_format(codes)`` tells which kernel format holds
-the blocks exactly, read off their values: Q4_0 (mins -8 x scale), Q4_1, Q5_0 (codes -16..15, no
-min), Q5_1 (codes 0..31) and Q8_0 (signed codes, no min) where scales and mins are float16 values
-as GGUF stores them; otherwise the float32-scaled
-formats: F4 (4-bit codes: Q4_K), F8 (8-bit codes: Q5_0, Q5_1, Q5_K) and F8H (8-bit codes with a
-scale per 16 weights and no min: Q6_K). ``int_linear(x, panels, fmt, shape)`` runs the kernel.
+the blocks exactly, read off their values. Where scales and mins are float16 values, as GGUF
+stores them: Q4_0 (mins -8 x scale), Q4_1, Q5_0 (codes -16..15, no min), Q5_1 (codes 0..31) and
+Q8_0 (other 8-bit codes, no min). Otherwise the float32-scaled formats: F4 (4-bit codes: Q4_K),
+F8 (8-bit codes: Q5_K) and F8H (8-bit codes, a scale per 16 weights, no min: Q6_K).
+``int_linear(x, panels, fmt, shape)`` runs the kernel.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ def int_format(codes: BlockCodes) -> int | None:
     return INT_Q4_1 if _is_float16(scales) and _is_float16(mins) else INT_F4
 
 
-
 def _eight_bit_format(codes: BlockCodes) -> int:
     """8-bit codes: Q5_0 or Q5_1 where they fit 5 bits (fewer bytes to stream), else Q8_0 or F8."""
     low, high = int(codes.codes.min()), int(codes.codes.max())
@@ -72,30 +71,38 @@ def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
         a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
         return a.reshape(num_panels, PANEL_ROWS, *a.shape[1:])
 
-    # codes [P, 16 rows, blocks, 8 chunks, 4] -> [P, blocks, 8 chunks, 16 rows, 4]
-    stored = codes.codes.numpy() + (16 if fmt == INT_Q5_0 else 0)      # Q5_0: c + 16, 0..31
-    raw = by_panel(stored.astype(np.int8).view(np.uint8).reshape(num_rows, num_blocks, 8, 4))
-    chunks = raw.transpose(0, 2, 3, 1, 4)             # [P, blocks, 8 chunks, 16 rows, 4]
-    fifth = None
-    if fmt in FIVE_BIT:                               # chunk j's fifth bits: bit 4i + t, row i weight 4j + t
-        bits = ((chunks >> 4) & 1).reshape(num_panels, num_blocks, 8, 64)
-        fifth = np.packbits(bits, axis=-1, bitorder="little").reshape(num_panels, num_blocks, 64)
-        chunks = chunks & 15
-    if fmt in NIBBLE_CODED:                           # chunk j low nibble, chunk j + 4 high
-        chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
-    header_dtype = np.float32 if fmt in FLOAT32_SCALED else np.float16
-    as_header = lambda a: by_panel(a).transpose(0, 2, 1).astype(header_dtype)  # noqa: E731  [P, blocks, 16]
+    parts = _header(codes, fmt, by_panel) + _code_chunks(codes, fmt, by_panel)
+    records = np.concatenate([np.ascontiguousarray(p).view(np.uint8).reshape(num_panels, num_blocks, -1)
+                              for p in parts], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(records.reshape(num_panels, -1)))
+
+
+def _header(codes: BlockCodes, fmt: int, by_panel) -> list[np.ndarray]:
+    """A record's scales (F8H: those of the first halves, then of the second), then its mins:
+    [P, blocks, 16] each, float16 or float32."""
+    dtype = np.float32 if fmt in FLOAT32_SCALED else np.float16
+    as_header = lambda a: by_panel(a).transpose(0, 2, 1).astype(dtype)    # noqa: E731
     scales = codes.scales.numpy()
-    if fmt == INT_F8H:                                # per half block: first halves, then second ones
-        parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])]
-    else:
-        parts = [as_header(scales)]
+    parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])] if fmt == INT_F8H else [as_header(scales)]
     if fmt in WITH_MINS:
         parts.append(as_header(codes.mins.numpy()))
-    header = [np.ascontiguousarray(p).view(np.uint8).reshape(num_panels, num_blocks, -1) for p in parts]
-    body = [chunks.reshape(num_panels, num_blocks, -1)] + ([] if fifth is None else [fifth])
-    records = np.concatenate([*header, *body], axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(records.reshape(num_panels, -1)))
+    return parts
+
+
+def _code_chunks(codes: BlockCodes, fmt: int, by_panel) -> list[np.ndarray]:
+    """A record's code chunks (4-bit: chunk j low nibble, chunk j + 4 high), then for the 5-bit
+    formats chunk j's fifth bits, bit 4i + t = row i's weight 4j + t."""
+    num_rows, num_in = codes.shape
+    stored = codes.codes.numpy() + (16 if fmt == INT_Q5_0 else 0)      # Q5_0: c + 16, 0..31
+    raw = by_panel(stored.astype(np.int8).view(np.uint8).reshape(num_rows, num_in // CODE_BLOCK, 8, 4))
+    chunks = raw.transpose(0, 2, 3, 1, 4)             # [P, blocks, 8 chunks, 16 rows, 4]
+    fifth = []
+    if fmt in FIVE_BIT:
+        bits = ((chunks >> 4) & 1).reshape(*chunks.shape[:3], 64)
+        fifth, chunks = [np.packbits(bits, axis=-1, bitorder="little")], chunks & 15
+    if fmt in NIBBLE_CODED:
+        chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
+    return [chunks.reshape(*chunks.shape[:2], -1)] + fifth
 
 
 def _is_float16(values: torch.Tensor) -> bool:
