@@ -30,9 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--hf-dir", default=None,
                         help="an existing HF export of the model (default: export into a temp dir)")
-    parser.add_argument("--quantization", default=None, choices=("unquant", "gguf"),
-                        help="linear path: gguf = integer kernels on the GGUF blocks, unquant = exact "
-                             "float (default: the engine's)")
+    serving.add_quantization_argument(parser)
     parser.add_argument("--profile", action="store_true",
                         help="also split one request's decode steps into their parts (native layer ops, "
                              "LM head, Python, scheduling) and print that")

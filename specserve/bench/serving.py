@@ -54,6 +54,17 @@ class RequestRecord:
         return (len(self.output_ids) - 1) / max(self.t_end - self.t_first, 1e-9)
 
 
+QUANTIZATION_CHOICES = ("unquant", "gguf", "w8a8_int8")
+
+
+def add_quantization_argument(parser: argparse.ArgumentParser, what: str = "the engine's") -> None:
+    """``--quantization``, as launch_server takes it, for a benchmark's engines."""
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                        help=f"{what} linear path: gguf = integer kernels on the GGUF blocks (what `make serve` "
+                             "runs), unquant = exact float, w8a8_int8 = float weights rounded to Q8_0 blocks "
+                             "(default: the engine's default)")
+
+
 def engine_kwargs(args: argparse.Namespace, dtype: str, *, disable_radix_cache: bool = False,
                   max_total_tokens: int | None = None, **extra: Any) -> dict[str, Any]:
     """Engine(**kwargs) for the common flags; ``extra`` entries that are None are left out."""
@@ -220,6 +231,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     parser.add_argument("--compare-plain", action="store_true",
                         help="with --speculative-algorithm: also run plain decoding and compare")
+    parser.add_argument("--speculative-policy", default=None, choices=("auto", "always"),
+                        help="auto (the server's default: the policy may decline to speculate, e.g. in "
+                             "large batches) or always")
+    add_quantization_argument(parser)
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -271,7 +286,9 @@ def _run_mode(args, label, spec, prompt_list, levels) -> tuple[list[dict[str, An
     id_lists = tokenize_prompts(args, prompt_list, args.max_new_tokens)
     kwargs = engine_kwargs(args, args.dtype, disable_radix_cache=args.disable_radix_cache,
                            max_total_tokens=kv_tokens_needed(args, id_lists, max(levels), args.max_new_tokens),
-                           max_running_requests=args.max_running_requests or max(levels), **spec)
+                           max_running_requests=args.max_running_requests or max(levels),
+                           quantization=args.quantization,
+                           speculative_policy=args.speculative_policy if spec else None, **spec)
     engine = None
     runs, reference = [], None
     try:

@@ -18,6 +18,7 @@ import json
 import statistics
 import time
 
+from specserve.bench import serving
 from specserve.bench.prompts import COPY_HEAVY
 
 
@@ -30,8 +31,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1, help="requests in flight per group")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default=None, choices=("unquant", "gguf"),
-                   help="both engines' linear path (gguf: the integer kernels)")
+    serving.add_quantization_argument(p, "both engines'")
     p.add_argument("--model-path", default=None)
     p.add_argument("--cpu-time", action="store_true", help="time with process CPU time")
     return p.parse_args()

@@ -100,8 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="configurations 'steps,topk,draft_tokens;...', an entry 'ALGO:s,k,d' only for "
                              "that algorithm (NGRAM: only draft_tokens matter); default %(default)s")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default=None, choices=("unquant", "gguf", "w8a8_int8"),
-                        help="every engine's linear path (gguf: the integer kernels `make serve` runs)")
+    serving.add_quantization_argument(parser, "every engine's")
     parser.add_argument("--speculative-policy", default=None, choices=("auto", "always"),
                         help="auto (the server's default: the policy may decline to speculate) or always "
                              "(every step speculates: accept lengths of the drafts themselves)")

@@ -25,9 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--widths", default=DEFAULT_WIDTHS, help="new tokens per forward; default %(default)s")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (C)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--quantization", default=None, choices=("unquant", "gguf"),
-                        help="linear path: gguf = integer kernels on the GGUF blocks, unquant = exact "
-                             "float (default: the engine's)")
+    serving.add_quantization_argument(parser)
     parser.add_argument("--repeats", type=int, default=10, help="timed forwards per width (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per width first")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
