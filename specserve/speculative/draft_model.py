@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer(MirroredDraftProposer):
+    catches_up_lazily = True     # _catch_up extends the draft over every token since draft_len
+
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         cfg, weights = ctx.draft_checkpoint

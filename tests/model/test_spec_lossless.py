@@ -201,3 +201,29 @@ def test_steps_where_nobody_speculates_are_plain_decode_steps(engines, prompt_id
     assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in _plain(engines, prompt_ids, params)]
     assert calls and all(o["meta_info"]["spec_verify_ct"] == 0 for o in ours)
     _assert_no_kv_leak(engine)
+
+
+def test_standalone_catches_up_after_plain_steps(engines, prompt_ids, monkeypatch):
+    """STANDALONE catches up lazily too: a step where the policy picks nobody is the engine's
+    plain decode step, and the next draft first extends the draft model over the tokens it
+    missed. With the target as its own draft every drafted token is then still accepted; a
+    draft KV left stale by the plain steps would lose acceptance."""
+    engine = engines["SELF"]
+    worker = engine.engine.spec_worker
+    select, calls, plain_calls = worker.policy.select, [0], []
+
+    def every_other_step(states, nodes, depths):
+        calls[0] += 1
+        return [1] * len(states) if calls[0] % 2 else select(states, nodes, depths)
+
+    monkeypatch.setattr(worker.policy, "select", every_other_step)
+    plain_step = worker._plain_step
+    monkeypatch.setattr(worker, "_plain_step", lambda *a: plain_calls.append(1) or plain_step(*a))
+    before = dict(engine.engine.get_server_info())
+    params = [{"temperature": 0, "max_new_tokens": 20} for _ in prompt_ids[:3]]
+    ours = _generate(engine, prompt_ids[:3], params)
+    assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in _plain(engines, prompt_ids[:3], params)]
+    drafted = engine.engine.get_server_info()["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = sum(o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1) for o in ours)
+    assert plain_calls and drafted > 0 and round(accepted) == drafted
+    _assert_no_kv_leak(engine)
