@@ -40,7 +40,8 @@ class NgramProposer(Proposer):
         for item, cap in zip(items, max_nodes):
             req = item.req
             self._feed(req)
-            trees.append(self.cache.match(tail_ids(req, self.window), num_draft_tokens=cap))
+            trees.append(self.cache.match(tail_ids(req, self.window), num_draft_tokens=cap,
+                                          suffix_keys=_state(req).suffix_keys))
         per_request = (time.perf_counter() - t0) / max(len(items), 1)
         self.seconds_per_request += COST_EMA_WEIGHT * (per_request - self.seconds_per_request)
         return trees
@@ -49,9 +50,10 @@ class NgramProposer(Proposer):
         for item, tokens in zip(items, emitted):
             req = item.req
             self._feed(req)
+            state = _state(req)
             context = tail_ids(req, self.cache.max_depth) + tokens
-            self.cache.insert_incremental(context, len(tokens))
-            _state(req).num_fed = req.seq_len + len(tokens)
+            state.suffix_keys = self.cache.insert_incremental(context, len(tokens), state.suffix_keys)
+            state.num_fed = req.seq_len + len(tokens)
 
     def draft_cost(self, batch_size: int) -> float:
         return batch_size * self.seconds_per_request
@@ -63,15 +65,16 @@ class NgramProposer(Proposer):
         if num_new <= 0:
             return
         context = tail_ids(req, num_new + self.cache.max_depth)
-        self.cache.insert_incremental(context, num_new)
+        state.suffix_keys = self.cache.insert_incremental(context, num_new, state.suffix_keys)
         state.num_fed = req.seq_len
 
 
 class _NgramState:
-    __slots__ = ("num_fed",)
+    __slots__ = ("num_fed", "suffix_keys")
 
     def __init__(self) -> None:
         self.num_fed = 0      # tokens of req.all_ids already fed to the cache
+        self.suffix_keys: list[int] | None = None   # keys of the windows ending at the last fed token
 
 
 def _state(req: Request) -> _NgramState:

@@ -120,15 +120,19 @@ class NgramCache:
         """Feed every n-gram (length <= max_depth) of ``tokens``."""
         self.insert_incremental(tokens, len(tokens))
 
-    def insert_incremental(self, tokens_so_far: Sequence[int], num_new: int) -> None:
-        """Feed the n-grams of ``tokens_so_far`` that end at one of its last ``num_new`` tokens."""
+    def insert_incremental(self, tokens_so_far: Sequence[int], num_new: int,
+                           prev_keys: list[int] | None = None) -> list[int]:
+        """Feed the n-grams of ``tokens_so_far`` that end at one of its last ``num_new`` tokens.
+        Returns the keys of the windows ending at its last token, longest first (lengths
+        max_depth-1 .. 1): pass them as ``prev_keys`` to the next call on the same sequence (or
+        as ``match``'s ``suffix_keys``) and they are not hashed again."""
         total_len = len(tokens_so_far)
         if not 0 <= num_new <= total_len:
             raise ValueError(f"num_new={num_new} out of range for {total_len} tokens")
         start = total_len - num_new
         self._clock += 1
         # keys of the n-grams ending just before `start`, longest first (lengths max_depth-1 .. 1)
-        prev = _suffix_keys(tokens_so_far, start, self.max_depth - 1)
+        prev = list(prev_keys) if prev_keys is not None else _suffix_keys(tokens_so_far, start, self.max_depth - 1)
         for pos in range(start, total_len):
             token = tokens_so_far[pos]
             code = token + 1
@@ -138,6 +142,7 @@ class NgramCache:
             self._feed(keys, prev, token)
             prev = keys if len(keys) < self.max_depth else keys[1:]
         self._evict()
+        return prev
 
     def _feed(self, keys: list[int], parent_keys: list[int], token: int) -> None:
         """Count one occurrence of each n-gram in ``keys`` (all end with ``token``) and link it
@@ -179,15 +184,16 @@ class NgramCache:
     # ---- matching ---------------------------------------------------------------
 
     def match(self, context_tail: Sequence[int], num_draft_tokens: int | None = None,
-              match_type: str | None = None) -> DraftTree:
-        """Draft tree continuing ``context_tail`` (root = its last token); root-only if no match."""
+              match_type: str | None = None, suffix_keys: list[int] | None = None) -> DraftTree:
+        """Draft tree continuing ``context_tail`` (root = its last token); root-only if no match.
+        ``suffix_keys``: ``insert_incremental``'s keys for a sequence ending with this tail."""
         if not context_tail:
             raise ValueError("match needs at least one context token")
         max_nodes = num_draft_tokens or self.num_draft_tokens
         kind = (match_type or self.match_type).upper()
         _check_match_type(kind)
         root_token = context_tail[-1]
-        found = self._find_window(context_tail)
+        found = self._find_window(context_tail, suffix_keys)
         if found is None or max_nodes == 1:
             return DraftTree.from_lists([root_token], [-1])
         rec, window_len = found
@@ -197,9 +203,14 @@ class NgramCache:
             tokens, parents = self._build_prob(rec, max_nodes)
         return DraftTree.from_lists(tokens, parents)
 
-    def _find_window(self, context_tail: Sequence[int]) -> tuple[list, int] | None:
+    def _find_window(self, context_tail: Sequence[int], suffix_keys: list[int] | None = None
+                     ) -> tuple[list, int] | None:
         """(record, window length) of the longest suffix window that has a continuation."""
-        keys = _suffix_keys(context_tail, len(context_tail), self.max_match_window_size)  # longest first
+        width = min(self.max_match_window_size, len(context_tail))
+        if suffix_keys is not None and len(suffix_keys) >= width:
+            keys = suffix_keys[len(suffix_keys) - width:]                                  # longest first
+        else:
+            keys = _suffix_keys(context_tail, len(context_tail), self.max_match_window_size)
         last = context_tail[-1]
         for i, key in enumerate(keys):
             window_len = len(keys) - i

@@ -43,6 +43,25 @@ def test_incremental_insert_equals_full_insert():
             assert inc.ngram_count(gram) == full.ngram_count(gram), gram
 
 
+def test_returned_window_keys_replace_rehashing():
+    """The keys insert_incremental returns, passed to the next insert and to match, give the same
+    counts and trees as hashing the windows again."""
+    rng = random.Random(5)
+    fresh, cached = NgramCache(), NgramCache()
+    tokens = [rng.randrange(40) for _ in range(30)]
+    fresh.insert(tokens)
+    keys = cached.insert_incremental(tokens, len(tokens))
+    for _ in range(50):
+        new = [rng.randrange(40) for _ in range(rng.choice([1, 2, 4]))]
+        tokens += new
+        fresh.insert_incremental(tokens, len(new))
+        keys = cached.insert_incremental(tokens, len(new), keys)
+        a, b = fresh.match(tokens[-12:]), cached.match(tokens[-12:], suffix_keys=keys)
+        assert a.draft_tokens.tolist() == b.draft_tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    assert all(fresh.ngram_count(tokens[i:i + n]) == cached.ngram_count(tokens[i:i + n])
+               for i in range(len(tokens)) for n in (1, 3, 7))
+
+
 def test_match_prefers_longest_window():
     cache = NgramCache(min_match_window_size=1, max_match_window_size=3, branch_length=4,
                        min_bfs_breadth=1, max_bfs_breadth=3, num_draft_tokens=8)
