@@ -15,20 +15,22 @@
 
    The F formats hold blocks whose scales are not float16 values (K-quants: a super-block's
    float16 d times a 6-bit sub-block scale) in float32: F4 (4-bit codes, scale and min: Q4_K),
-   F8 (int8 codes, scale and min: Q5_0 as c - 16, Q5_1, Q5_K) and F8H (int8 codes, one scale
-   per 16-weight half and no min: Q6_K), whose two halves are summed and scaled apart:
+   F8 (int8 codes, scale and min: Q5_K, or blocks of mixed types in one fused matrix) and F8H
+   (int8 codes, one scale per 16-weight half and no min: Q6_K), whose two halves are summed and
+   scaled apart:
        acc   = fma(d_lo * dx, float(p_lo), acc),  acc = fma(d_hi * dx, float(p_hi), acc)
 
    Layout: weights are repacked in panels of 16 rows (IQ_ROWS, the int32 lanes of a 512-bit
    vector). A panel holds, per block b of K, one record:
-       float16 d[16] | float16 m[16] (Q4_1 only) | codes
+       float16 d[16] | float16 m[16] (Q4_1, Q5_1) | codes
    (F formats: float32 d[16] | float32 m[16], or F8H's float32 d_lo[16] | d_hi[16], then codes)
    where code chunk j (j = 0..7: weights k = 4j..4j+3 of the block) is 64 bytes, byte 4i + t =
    row i's weight 4j + t. Q8_0 and F8* store the 8 chunks as int8 (512 bytes); Q4_0/Q4_1/F4 store
    chunk j (low nibble) and chunk j + 4 (high nibble) in one 64-byte group, 4 groups (256
    bytes); Q5_0/Q5_1 add their codes' fifth bits after those, 8 bytes per chunk, bit 4i + t =
-   row i's weight 4j + t (a byte mask on AVX-512: one masked move puts them in place). So one vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial
-   sums in its 16 lanes: no horizontal sums, the weights of a block are decoded once for every
+   row i's weight 4j + t (a byte mask on AVX-512: one masked move puts them in place). So one
+   vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial sums in its
+   16 lanes: no horizontal sums, the weights of a block are decoded once for every
    input row of the tile (register blocking over W), and each lane's arithmetic is the same
    whatever the vector width: the AVX2 variant runs the same panels as two halves of 8 lanes
    (vpmaddubsw + vpmaddwd instead of vpdpbusd, the same exact int32 sums) and gives the same bits.
@@ -188,8 +190,9 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
         for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
-        const __m512 dw = iq_scales16(p, f32);          /* F8H: the first half's */
-        const __m512 mw = iq_has_min(fmt) || halves ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
+        const __m512 dw = iq_scales16(p, f32);          /* F8H: the first half's scales */
+        const __m512 mw = iq_has_min(fmt) || halves     /* the mins; F8H: the second half's scales */
+                              ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
         __m512i w[8];
         if (iq_is_signed(fmt)) {
             for (int j = 0; j < 8; j++) w[j] = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * j), flip);
@@ -269,8 +272,9 @@ static inline __m256 iq_scales8(const uint8_t *p, int h, int f32) {
 
 /* R input rows x half h (weight rows 8h..8h+7) of one panel, AVX2: the same lanes' arithmetic
    as the AVX-512 tile. Two 16-bit partial sums per lane pair are exact: Q4 codes <= 15 and
-   |q| <= 127 keep 8 maddubs results of a block below 2^15; int8 codes use |c| and q with c's
-   sign (|c| <= 128), each maddubs result widened at once, the block's halves summed apart. */
+   |q| <= 127 keep 8 maddubs results of a block below 2^15 (5-bit codes: 4, so they are widened
+   per half); int8 codes use |c| and q with c's sign (|c| <= 128), each maddubs result widened
+   at once, the block's halves summed apart. */
 static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, int h, float out[][IQ_ROWS]) {
     const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = fmt == IQ_F8H;
@@ -281,7 +285,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
         if (h == 0)
             for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
-        const __m256 dw = iq_scales8(p, h, f32);
+        const __m256 dw = iq_scales8(p, h, f32);        /* as in the AVX-512 tile */
         const __m256 mw = iq_has_min(fmt) || halves ? iq_scales8(p + (f32 ? 64 : 32), h, f32) : _mm256_setzero_ps();
         __m256i w[8];
         if (iq_is_signed(fmt)) {
@@ -292,8 +296,9 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                 w[j] = _mm256_and_si256(v, nibble);
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             }
+            const uint8_t *fifth = codes - 32 * h + 256 + 4 * h;     /* chunk j's 8 bytes, this half's 4 */
             if (iq_has_fifth_bit(fmt))
-                for (int j = 0; j < 8; j++) w[j] = _mm256_or_si256(w[j], iq_fifth_bits32(codes + 256 - 32 * h + 8 * j + 4 * h));
+                for (int j = 0; j < 8; j++) w[j] = _mm256_or_si256(w[j], iq_fifth_bits32(fifth + 8 * j));
         }
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
