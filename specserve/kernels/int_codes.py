@@ -5,7 +5,8 @@ layout is described in ``int_linear.c``); ``int_format(codes)`` tells which kern
 the blocks exactly, read off their values. Where scales and mins are float16 values, as GGUF
 stores them: Q4_0 (mins -8 x scale), Q4_1, Q5_0 (codes -16..15, no min), Q5_1 (codes 0..31) and
 Q8_0 (other 8-bit codes, no min). Otherwise the float32-scaled formats: F4 (4-bit codes: Q4_K),
-F8 (8-bit codes: Q5_K) and F8H (8-bit codes, a scale per 16 weights, no min: Q6_K).
+F8 (8-bit codes: Q5_K) and, with a scale per 16 weights and no min, Q6 (codes -32..31: Q6_K,
+as 6 bits) or F8H (other 8-bit codes).
 ``int_linear(x, panels, fmt, shape)`` runs the kernel.
 """
 from __future__ import annotations
@@ -23,26 +24,31 @@ PANEL_ROWS = 16
 INT_Q4_0, INT_Q4_1, INT_Q8_0 = 1, 2, 3        # int_linear.c's IQ_Q4_0, IQ_Q4_1, IQ_Q8_0
 INT_F4, INT_F8, INT_F8H = 4, 5, 6             # its IQ_F4, IQ_F8, IQ_F8H: float32 scales
 INT_Q5_0, INT_Q5_1 = 7, 8                     # its IQ_Q5_0, IQ_Q5_1: nibbles and a plane of fifth bits
+INT_Q6 = 9                                    # its IQ_Q6: F8H's scales, nibbles and two bit planes
 FORMAT_NAMES = {INT_Q4_0: "Q4_0", INT_Q4_1: "Q4_1", INT_Q8_0: "Q8_0", INT_F4: "F4", INT_F8: "F8", INT_F8H: "F8H",
-                INT_Q5_0: "Q5_0", INT_Q5_1: "Q5_1"}
-FLOAT32_SCALED = (INT_F4, INT_F8, INT_F8H)
+                INT_Q5_0: "Q5_0", INT_Q5_1: "Q5_1", INT_Q6: "Q6"}
+FLOAT32_SCALED = (INT_F4, INT_F8, INT_F8H, INT_Q6)
+HALF_SCALED = (INT_F8H, INT_Q6)               # a scale per 16 weights
 WITH_MINS = (INT_Q4_1, INT_Q5_1, INT_F4, INT_F8)
-FIVE_BIT = (INT_Q5_0, INT_Q5_1)
-NIBBLE_CODED = (INT_Q4_0, INT_Q4_1, INT_F4) + FIVE_BIT
+BIT_PLANES = {INT_Q5_0: 1, INT_Q5_1: 1, INT_Q6: 2}           # code bits above the nibble, as planes
+CODE_OFFSET = {INT_Q5_0: 16, INT_Q6: 32}                     # stored code = c + offset (unsigned)
+NIBBLE_CODED = (INT_Q4_0, INT_Q4_1, INT_F4) + tuple(BIT_PLANES)
 HEADER_BYTES = {INT_Q4_0: 32, INT_Q4_1: 64, INT_Q8_0: 32, INT_F4: 128, INT_F8: 128, INT_F8H: 128, INT_Q5_0: 32,
-                INT_Q5_1: 64}
+                INT_Q5_1: 64, INT_Q6: 128}
 
 
 def record_bytes(fmt: int) -> int:
     """Bytes of one block of a panel (16 rows x 32 weights): scales, mins, codes."""
-    return HEADER_BYTES[fmt] + (256 if fmt in NIBBLE_CODED else 512) + (64 if fmt in FIVE_BIT else 0)
+    return HEADER_BYTES[fmt] + (256 if fmt in NIBBLE_CODED else 512) + 64 * BIT_PLANES.get(fmt, 0)
 
 
 def int_format(codes: BlockCodes) -> int | None:
     """The kernel format that holds these blocks exactly (None: 16-weight sub-blocks with mins)."""
     scales, mins = codes.scales, codes.mins
     if codes.sub_block != CODE_BLOCK:
-        return None if mins.any() else INT_F8H
+        if mins.any():
+            return None
+        return INT_Q6 if -32 <= int(codes.codes.min()) and int(codes.codes.max()) <= 31 else INT_F8H
     if codes.bits == 8:
         return _eight_bit_format(codes)
     if _is_float16(scales) and torch.equal(mins, -8 * scales):
@@ -83,26 +89,25 @@ def _header(codes: BlockCodes, fmt: int, by_panel) -> list[np.ndarray]:
     dtype = np.float32 if fmt in FLOAT32_SCALED else np.float16
     as_header = lambda a: by_panel(a).transpose(0, 2, 1).astype(dtype)    # noqa: E731
     scales = codes.scales.numpy()
-    parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])] if fmt == INT_F8H else [as_header(scales)]
+    parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])] if fmt in HALF_SCALED else [as_header(scales)]
     if fmt in WITH_MINS:
         parts.append(as_header(codes.mins.numpy()))
     return parts
 
 
 def _code_chunks(codes: BlockCodes, fmt: int, by_panel) -> list[np.ndarray]:
-    """A record's code chunks (4-bit: chunk j low nibble, chunk j + 4 high), then for the 5-bit
-    formats chunk j's fifth bits, bit 4i + t = row i's weight 4j + t."""
+    """A record's code chunks (4-bit: chunk j low nibble, chunk j + 4 high), then for the 5- and
+    6-bit formats each plane of higher bits: chunk j's, bit 4i + t = row i's weight 4j + t."""
     num_rows, num_in = codes.shape
-    stored = codes.codes.numpy() + (16 if fmt == INT_Q5_0 else 0)      # Q5_0: c + 16, 0..31
+    stored = codes.codes.numpy().astype(np.int16) + CODE_OFFSET.get(fmt, 0)     # Q5_0: 0..31, Q6: 0..63
     raw = by_panel(stored.astype(np.int8).view(np.uint8).reshape(num_rows, num_in // CODE_BLOCK, 8, 4))
     chunks = raw.transpose(0, 2, 3, 1, 4)             # [P, blocks, 8 chunks, 16 rows, 4]
-    fifth = []
-    if fmt in FIVE_BIT:
-        bits = ((chunks >> 4) & 1).reshape(*chunks.shape[:3], 64)
-        fifth, chunks = [np.packbits(bits, axis=-1, bitorder="little")], chunks & 15
+    planes = [np.packbits(((chunks >> (4 + k)) & 1).reshape(*chunks.shape[:3], 64), axis=-1, bitorder="little")
+              for k in range(BIT_PLANES.get(fmt, 0))]
     if fmt in NIBBLE_CODED:
+        chunks = chunks & 15
         chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
-    return [chunks.reshape(*chunks.shape[:2], -1)] + fifth
+    return [chunks.reshape(*chunks.shape[:2], -1)] + planes
 
 
 def _is_float16(values: torch.Tensor) -> bool:

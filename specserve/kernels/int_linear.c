@@ -16,8 +16,9 @@
    The F formats hold blocks whose scales are not float16 values (K-quants: a super-block's
    float16 d times a 6-bit sub-block scale) in float32: F4 (4-bit codes, scale and min: Q4_K),
    F8 (int8 codes, scale and min: Q5_K, or blocks of mixed types in one fused matrix) and F8H
-   (int8 codes, one scale per 16-weight half and no min: Q6_K), whose two halves are summed and
-   scaled apart:
+   (int8 codes, one scale per 16-weight half and no min), whose two halves are summed and
+   scaled apart, as Q6 (Q6_K: F8H's scales, 6-bit codes c + 32 stored as nibbles and two bit
+   planes) does too:
        acc   = fma(d_lo * dx, float(p_lo), acc),  acc = fma(d_hi * dx, float(p_hi), acc)
 
    Layout: weights are repacked in panels of 16 rows (IQ_ROWS, the int32 lanes of a 512-bit
@@ -27,7 +28,7 @@
    where code chunk j (j = 0..7: weights k = 4j..4j+3 of the block) is 64 bytes, byte 4i + t =
    row i's weight 4j + t. Q8_0 and F8* store the 8 chunks as int8 (512 bytes); Q4_0/Q4_1/F4 store
    chunk j (low nibble) and chunk j + 4 (high nibble) in one 64-byte group, 4 groups (256
-   bytes); Q5_0/Q5_1 add their codes' fifth bits after those, 8 bytes per chunk, bit 4i + t =
+   bytes); Q5_0/Q5_1 add their codes' fifth bits after those (Q6: fifth, then sixth bits), 8 bytes per chunk, bit 4i + t =
    row i's weight 4j + t (a byte mask on AVX-512: one masked move puts them in place). So one
    vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial sums in its
    16 lanes: no horizontal sums, the weights of a block are decoded once for every
@@ -48,7 +49,7 @@
 #define IQ_PREFETCH_BYTES 16384  /* weights prefetched this far ahead (panels lie back to back) */
 #endif
 enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5, IQ_F8H = 6, IQ_Q5_0 = 7, IQ_Q5_1 = 8,
-       IQ_NUM_FORMATS = 8 };
+       IQ_Q6 = 9, IQ_NUM_FORMATS = 9 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IQ_LEVEL 2            /* avx512_vnni */
@@ -59,8 +60,10 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5,
 #define IQ_TILE 4
 #endif
 
-static inline int iq_is_f32(int fmt) { return fmt >= IQ_F4 && fmt <= IQ_F8H; }   /* float32 scales */
-static inline int iq_has_fifth_bit(int fmt) { return fmt == IQ_Q5_0 || fmt == IQ_Q5_1; }
+static inline int iq_is_f32(int fmt) { return (fmt >= IQ_F4 && fmt <= IQ_F8H) || fmt == IQ_Q6; }   /* float32 scales */
+static inline int iq_has_halves(int fmt) { return fmt == IQ_F8H || fmt == IQ_Q6; }   /* a scale per 16 weights */
+static inline int iq_has_fifth_bit(int fmt) { return fmt == IQ_Q5_0 || fmt == IQ_Q5_1 || fmt == IQ_Q6; }
+static inline int iq_bit_planes(int fmt) { return fmt == IQ_Q6 ? 2 : iq_has_fifth_bit(fmt) ? 1 : 0; }
 /* codes as nibbles (and maybe a fifth bit), unsigned */
 static inline int iq_is_nibble(int fmt) {
     return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4 || iq_has_fifth_bit(fmt);
@@ -68,7 +71,7 @@ static inline int iq_is_nibble(int fmt) {
 static inline int iq_has_min(int fmt) { return fmt == IQ_Q4_1 || fmt == IQ_Q5_1 || fmt == IQ_F4 || fmt == IQ_F8; }
 static inline int iq_scale_bytes(int fmt) { return iq_is_f32(fmt) ? 128 : iq_has_min(fmt) ? 64 : 32; }
 static inline int iq_record_bytes(int fmt) {
-    return iq_scale_bytes(fmt) + (iq_is_nibble(fmt) ? 256 : 512) + (iq_has_fifth_bit(fmt) ? 64 : 0);
+    return iq_scale_bytes(fmt) + (iq_is_nibble(fmt) ? 256 : 512) + 64 * iq_bit_planes(fmt);
 }
 
 /* The input rows quantized: q [M, K] int8; per row and block (index m * nb + b): the scale d,
@@ -96,6 +99,7 @@ static inline int iq_is_signed(int fmt) { return !iq_is_nibble(fmt); }
 static inline int32_t iq_start(int fmt, int32_t sum) {
     if (fmt == IQ_Q4_0) return -8 * sum;
     if (fmt == IQ_Q5_0) return -16 * sum;
+    if (fmt == IQ_Q6) return -32 * sum;
     if (iq_is_signed(fmt) && IQ_LEVEL >= 2) return -128 * sum;
     return 0;
 }
@@ -183,7 +187,7 @@ static inline __m512 iq_scales16(const uint8_t *p, int f32) {
 /* R input rows (from m0) x one panel, AVX-512 VNNI: out[r][i] = row m0 + r, weight row i */
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, float out[][IQ_ROWS]) {
-    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = fmt == IQ_F8H;
+    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = iq_has_halves(fmt);
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
@@ -202,12 +206,12 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
                 w[j] = _mm512_and_si512(v, nibble);
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
-            if (iq_has_fifth_bit(fmt)) {
-                const __m512i sixteen = _mm512_set1_epi8(16);
+            for (int plane = 0; plane < iq_bit_planes(fmt); plane++) {
+                const __m512i value = _mm512_set1_epi8((char)(16 << plane));
                 for (int j = 0; j < 8; j++) {
                     uint64_t bits;
-                    memcpy(&bits, codes + 256 + 8 * j, 8);
-                    w[j] = _mm512_or_si512(w[j], _mm512_maskz_mov_epi8((__mmask64)bits, sixteen));
+                    memcpy(&bits, codes + 256 + 64 * plane + 8 * j, 8);
+                    w[j] = _mm512_or_si512(w[j], _mm512_maskz_mov_epi8((__mmask64)bits, value));
                 }
             }
         }
@@ -255,14 +259,15 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 #else
-/* 32 bytes of 0 or 16: bit b of the 4 bytes at p set -> byte b is 16 (a chunk half's fifth bits) */
-static inline __m256i iq_fifth_bits32(const uint8_t *p) {
+/* 32 bytes of 0 or `value`: bit b of the 4 bytes at p set -> byte b is `value` (a chunk half's
+   fifth or sixth bits) */
+static inline __m256i iq_plane_bits32(const uint8_t *p, char value) {
     uint32_t bits;
     memcpy(&bits, p, 4);
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
 }
 
 /* a block's 8 scales (float16 or float32) of half h at p */
@@ -277,7 +282,7 @@ static inline __m256 iq_scales8(const uint8_t *p, int h, int f32) {
    at once, the block's halves summed apart. */
 static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, int h, float out[][IQ_ROWS]) {
-    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = fmt == IQ_F8H;
+    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = iq_has_halves(fmt);
     __m256 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -296,9 +301,10 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                 w[j] = _mm256_and_si256(v, nibble);
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             }
-            const uint8_t *fifth = codes - 32 * h + 256 + 4 * h;     /* chunk j's 8 bytes, this half's 4 */
-            if (iq_has_fifth_bit(fmt))
-                for (int j = 0; j < 8; j++) w[j] = _mm256_or_si256(w[j], iq_fifth_bits32(fifth + 8 * j));
+            const uint8_t *planes = codes - 32 * h + 256 + 4 * h;    /* chunk j's 8 bytes, this half's 4 */
+            for (int plane = 0; plane < iq_bit_planes(fmt); plane++)
+                for (int j = 0; j < 8; j++)
+                    w[j] = _mm256_or_si256(w[j], iq_plane_bits32(planes + 64 * plane + 8 * j, (char)(16 << plane)));
         }
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = (m0 + r) * nb + b;
@@ -320,16 +326,27 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                     continue;
                 }
                 s = _mm256_add_epi32(s, t);
-            } else {      /* 5-bit codes: widened every 4 chunks (8 products of <= 31 * 127 fit) */
-                __m256i t = _mm256_setzero_si256();
+            } else {      /* 16-bit sums widened every 8 chunks (4-bit codes), 4 (5-bit: 8 products
+                             of <= 31 * 127 fit) or 2 (6-bit: 4 of <= 63 * 127) */
+                const int widen = iq_bit_planes(fmt) == 2 ? 2 : iq_bit_planes(fmt) == 1 ? 4 : 8;
+                __m256i t = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                if (halves) {     /* Q6: the halves start at start_lo and start - start_lo */
+                    s = _mm256_set1_epi32(a->start_lo[i]);
+                    hi = _mm256_set1_epi32(a->start[i] - a->start_lo[i]);
+                }
                 for (int j = 0; j < 8; j++) {
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(iq_load4(q + 4 * j))));
-                    if (iq_has_fifth_bit(fmt) && j == 3) {
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+                    if ((j + 1) % widen == 0) {
+                        if (halves && j >= 4) hi = _mm256_add_epi32(hi, _mm256_madd_epi16(t, ones));
+                        else s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
                         t = _mm256_setzero_si256();
                     }
                 }
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+                if (halves) {
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(hi), acc[r]);
+                    continue;
+                }
             }
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
             if (iq_has_min(fmt)) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->ds[i]), acc[r]);
@@ -353,14 +370,14 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     IQ_DEFINE(FMT, 5) IQ_DEFINE(FMT, 6) IQ_DEFINE(FMT, 7) IQ_DEFINE(FMT, 8) IQ_DEFINE(FMT, 9) IQ_DEFINE(FMT, 10) \
     IQ_DEFINE(FMT, 11) IQ_DEFINE(FMT, 12) IQ_DEFINE(FMT, 13) IQ_DEFINE(FMT, 14) IQ_DEFINE(FMT, 15) IQ_DEFINE(FMT, 16)
 IQ_DEFINE_ROWS(IQ_Q4_0) IQ_DEFINE_ROWS(IQ_Q4_1) IQ_DEFINE_ROWS(IQ_Q8_0) IQ_DEFINE_ROWS(IQ_F4) IQ_DEFINE_ROWS(IQ_F8)
-IQ_DEFINE_ROWS(IQ_F8H) IQ_DEFINE_ROWS(IQ_Q5_0) IQ_DEFINE_ROWS(IQ_Q5_1)
+IQ_DEFINE_ROWS(IQ_F8H) IQ_DEFINE_ROWS(IQ_Q5_0) IQ_DEFINE_ROWS(IQ_Q5_1) IQ_DEFINE_ROWS(IQ_Q6)
 typedef void (*iq_tile_fn)(const uint8_t *, const iq_input *, long, float[][IQ_ROWS]);
 #define IQ_ROW_FNS(FMT) {iq_tile_##FMT##_1, iq_tile_##FMT##_2, iq_tile_##FMT##_3, iq_tile_##FMT##_4, \
     iq_tile_##FMT##_5, iq_tile_##FMT##_6, iq_tile_##FMT##_7, iq_tile_##FMT##_8, iq_tile_##FMT##_9, iq_tile_##FMT##_10, \
     iq_tile_##FMT##_11, iq_tile_##FMT##_12, iq_tile_##FMT##_13, iq_tile_##FMT##_14, iq_tile_##FMT##_15, iq_tile_##FMT##_16}
 static const iq_tile_fn IQ_TILE_FNS[IQ_NUM_FORMATS][16] = {
     IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0), IQ_ROW_FNS(IQ_F4), IQ_ROW_FNS(IQ_F8), IQ_ROW_FNS(IQ_F8H),
-    IQ_ROW_FNS(IQ_Q5_0), IQ_ROW_FNS(IQ_Q5_1)};
+    IQ_ROW_FNS(IQ_Q5_0), IQ_ROW_FNS(IQ_Q5_1), IQ_ROW_FNS(IQ_Q6)};
 
 /* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N) */
 static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long m0, long m1, int pnl,

@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from specserve.kernels import build, int_codes
-from specserve.kernels.int_codes import INT_F4, INT_F8, INT_F8H, INT_Q4_0, INT_Q4_1, INT_Q5_0, INT_Q5_1, INT_Q8_0
+from specserve.kernels.int_codes import INT_F4, INT_F8, INT_Q4_0, INT_Q4_1, INT_Q5_0, INT_Q5_1, INT_Q6, INT_Q8_0
 from specserve.loading.gguf import block_codes
 
 needs_kernel = pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here (no AVX2 or no C compiler)")
 KINDS = {Q.Q4_0: INT_Q4_0, Q.Q4_1: INT_Q4_1, Q.Q8_0: INT_Q8_0, Q.Q5_0: INT_Q5_0, Q.Q5_1: INT_Q5_1,
-         Q.Q4_K: INT_F4, Q.Q5_K: INT_F8, Q.Q6_K: INT_F8H}
+         Q.Q4_K: INT_F4, Q.Q5_K: INT_F8, Q.Q6_K: INT_Q6}
 WITH_MIN = int_codes.WITH_MINS
 SCALE_BYTES = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
                Q.Q5_K: [0, 2], Q.Q6_K: [208]}    # where each block's float16 scales lie
@@ -83,7 +83,7 @@ def _int_linear_ref(x: torch.Tensor, codes, fmt: int, bias: torch.Tensor | None 
     acc = np.zeros((x.shape[0], codes.shape[0]), np.float32)            # [M, N]
     scaled = lambda s: (s[None, :] * d[:, b, None]).astype(np.float32)  # noqa: E731
     for b in range(q.shape[1]):
-        if fmt == INT_F8H:                                              # halves summed and scaled apart
+        if fmt in int_codes.HALF_SCALED:                                # halves summed and scaled apart
             for h in range(2):
                 half = slice(16 * h, 16 * h + 16)
                 p = (q[:, b, half] @ c[:, b, half].T).astype(np.float32)
@@ -297,3 +297,21 @@ def test_w8a8_int8_puts_float_linears_on_the_integer_kernel(dtype):
 
         expected = _int_linear_ref(x.to(dtype), q8_0_codes(original), INT_Q8_0)
         assert torch.equal(model[0](x.to(dtype)), torch.from_numpy(expected).to(dtype))
+
+
+@needs_kernel
+def test_wider_codes_with_a_scale_per_16_weights_take_f8h():
+    """8-bit codes past Q6_K's 6 bits, a scale per 16 weights (F8H): the reference's bits on
+    every variant this CPU runs."""
+    from specserve.kernels.coded import BlockCodes
+    from specserve.kernels.int_codes import INT_F8H
+
+    q6 = _codes(Q.Q6_K, 40, 256, seed=21)
+    codes = BlockCodes(q6.codes * 2, q6.scales, q6.mins, 8)             # -64..62
+    fmt = int_codes.int_format(codes)
+    assert fmt == INT_F8H
+    panels, x = int_codes.panels(codes, fmt), _inputs(9, 256, seed=22)
+    expected = torch.from_numpy(_int_linear_ref(x, codes, fmt))
+    for variant in [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]:
+        assert torch.equal(int_codes.int_linear(x, panels, fmt, codes.shape, library=build.load_variant(variant)),
+                           expected), variant
