@@ -8,7 +8,8 @@
    dx (as llama.cpp's Q8_0/Q8_1), and every block's dot product runs in integers:
 
        p     = sum_k c_k q_k - off             off = 8 * sum(q) for Q4_0 (codes 0..15 stand for c - 8),
-                                               16 * sum(q) for Q5_0, else 0 (the int32 sum is exact)
+                                               16 * sum(q) for Q5_0, 32 * sum(q) for Q6 (per half),
+                                               else 0 (the int32 sum is exact)
        acc   = fma(d * dx, float(p), acc)      per block, in block order
        acc   = fma(m, dx * sum(q), acc)        formats with a min (Q4_1, Q5_1, F4, F8)
        y     = acc (+ bias)
@@ -24,15 +25,15 @@
    Layout: weights are repacked in panels of 16 rows (IQ_ROWS, the int32 lanes of a 512-bit
    vector). A panel holds, per block b of K, one record:
        float16 d[16] | float16 m[16] (Q4_1, Q5_1) | codes
-   (F formats: float32 d[16] | float32 m[16], or F8H's float32 d_lo[16] | d_hi[16], then codes)
+   (F formats: float32 d[16] | float32 m[16], or F8H's and Q6's float32 d_lo[16] | d_hi[16])
    where code chunk j (j = 0..7: weights k = 4j..4j+3 of the block) is 64 bytes, byte 4i + t =
    row i's weight 4j + t. Q8_0 and F8* store the 8 chunks as int8 (512 bytes); Q4_0/Q4_1/F4 store
    chunk j (low nibble) and chunk j + 4 (high nibble) in one 64-byte group, 4 groups (256
-   bytes); Q5_0/Q5_1 add their codes' fifth bits after those (Q6: fifth, then sixth bits), 8 bytes per chunk, bit 4i + t =
-   row i's weight 4j + t (a byte mask on AVX-512: one masked move puts them in place). So one
-   vpdpbusd of a chunk against 4 input bytes broadcast gives the 16 rows' partial sums in its
-   16 lanes: no horizontal sums, the weights of a block are decoded once for every
-   input row of the tile (register blocking over W), and each lane's arithmetic is the same
+   bytes); Q5_0/Q5_1 add their codes' fifth bits after those (Q6: a plane of fifth bits, then
+   one of sixth), 8 bytes per chunk, bit 4i + t = row i's weight 4j + t (a byte mask on
+   AVX-512: one masked move puts a plane in place). So one vpdpbusd of a chunk against 4 input
+   bytes broadcast gives the 16 rows' partial sums in its 16 lanes: no horizontal sums, the
+   weights of a block are decoded once for every input row of the tile (register blocking over W), and each lane's arithmetic is the same
    whatever the vector width: the AVX2 variant runs the same panels as two halves of 8 lanes
    (vpmaddubsw + vpmaddwd instead of vpdpbusd, the same exact int32 sums) and gives the same bits.
 
