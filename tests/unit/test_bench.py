@@ -43,6 +43,28 @@ def test_serving_flags_and_modes():
         serving.parse_int_list("0,2")
 
 
+def test_serving_passes_quantization_and_policy_to_its_engines(monkeypatch):
+    """--quantization reaches every engine, --speculative-policy the speculative ones."""
+    args = cli.parse_args(["serving", "--concurrency", "1", "--speculative-algorithm", "ngram", "--compare-plain",
+                           "--quantization", "gguf", "--speculative-policy", "always"])
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def make_engine(kwargs):
+        built.append(kwargs)
+        raise Built
+
+    monkeypatch.setattr(serving, "make_engine", make_engine)
+    monkeypatch.setattr(serving, "tokenize_prompts", lambda *a, **k: [[1, 2, 3]])
+    for label, spec in serving.modes_to_run(args):
+        with pytest.raises(Built):
+            serving._run_mode(args, label, spec, [], [1])
+    assert [k.get("quantization") for k in built] == ["gguf", "gguf"]
+    assert [k.get("speculative_policy") for k in built] == [None, "always"]
+
+
 def test_speculative_grid_parsing():
     grid = speculative.parse_grid("3,1,4;5,4,8", "EAGLE")
     assert grid == [speculative.SpecConfig(3, 1, 4), speculative.SpecConfig(5, 4, 8)]
