@@ -4,7 +4,9 @@
 layout is described in ``int_linear.c``); ``int_format(codes)`` tells which kernel format holds
 the blocks exactly, read off their values. Where scales and mins are float16 values, as GGUF
 stores them: Q4_0 (mins -8 x scale), Q4_1, Q5_0 (codes -16..15, no min), Q5_1 (codes 0..31) and
-Q8_0 (other 8-bit codes, no min). Otherwise the float32-scaled formats: F4 (4-bit codes: Q4_K),
+Q8_0 (other 8-bit codes, no min); K4 where 4-bit codes' scales and mins factor exactly into a
+float16 per 256 weights times a 6-bit integer per 32, as Q4_K stores them. Otherwise the
+float32-scaled formats: F4 (4-bit codes),
 F8 (8-bit codes: Q5_K) and, with a scale per 16 weights and no min, Q6 (codes -32..31: Q6_K,
 as 6 bits) or F8H (other 8-bit codes).
 ``int_linear(x, panels, fmt, shape)`` runs the kernel.
@@ -25,16 +27,18 @@ INT_Q4_0, INT_Q4_1, INT_Q8_0 = 1, 2, 3        # int_linear.c's IQ_Q4_0, IQ_Q4_1,
 INT_F4, INT_F8, INT_F8H = 4, 5, 6             # its IQ_F4, IQ_F8, IQ_F8H: float32 scales
 INT_Q5_0, INT_Q5_1 = 7, 8                     # its IQ_Q5_0, IQ_Q5_1: nibbles and a plane of fifth bits
 INT_Q6 = 9                                    # its IQ_Q6: F8H's scales, nibbles and two bit planes
+INT_K4 = 10                                   # its IQ_K4: Q4_K's 6-bit scales, float16 per super-block
+K_SUPER = 8                                   # blocks of 32 per K-quant super-block (256 weights)
 FORMAT_NAMES = {INT_Q4_0: "Q4_0", INT_Q4_1: "Q4_1", INT_Q8_0: "Q8_0", INT_F4: "F4", INT_F8: "F8", INT_F8H: "F8H",
-                INT_Q5_0: "Q5_0", INT_Q5_1: "Q5_1", INT_Q6: "Q6"}
+                INT_Q5_0: "Q5_0", INT_Q5_1: "Q5_1", INT_Q6: "Q6", INT_K4: "K4"}
 FLOAT32_SCALED = (INT_F4, INT_F8, INT_F8H, INT_Q6)
 HALF_SCALED = (INT_F8H, INT_Q6)               # a scale per 16 weights
-WITH_MINS = (INT_Q4_1, INT_Q5_1, INT_F4, INT_F8)
+WITH_MINS = (INT_Q4_1, INT_Q5_1, INT_F4, INT_F8, INT_K4)
 BIT_PLANES = {INT_Q5_0: 1, INT_Q5_1: 1, INT_Q6: 2}           # code bits above the nibble, as planes
 CODE_OFFSET = {INT_Q5_0: 16, INT_Q6: 32}                     # stored code = c + offset (unsigned)
-NIBBLE_CODED = (INT_Q4_0, INT_Q4_1, INT_F4) + tuple(BIT_PLANES)
+NIBBLE_CODED = (INT_Q4_0, INT_Q4_1, INT_F4, INT_K4) + tuple(BIT_PLANES)
 HEADER_BYTES = {INT_Q4_0: 32, INT_Q4_1: 64, INT_Q8_0: 32, INT_F4: 128, INT_F8: 128, INT_F8H: 128, INT_Q5_0: 32,
-                INT_Q5_1: 64, INT_Q6: 128}
+                INT_Q5_1: 64, INT_Q6: 128, INT_K4: 32}
 
 
 def record_bytes(fmt: int) -> int:
@@ -53,7 +57,49 @@ def int_format(codes: BlockCodes) -> int | None:
         return _eight_bit_format(codes)
     if _is_float16(scales) and torch.equal(mins, -8 * scales):
         return INT_Q4_0
-    return INT_Q4_1 if _is_float16(scales) and _is_float16(mins) else INT_F4
+    if _is_float16(scales) and _is_float16(mins):
+        return INT_Q4_1
+    return INT_K4 if k_quant_factors(codes) is not None else INT_F4
+
+
+def k_quant_factors(codes: BlockCodes) -> tuple[np.ndarray, ...] | None:
+    """(d, sc, dmin, m) with scales = d * sc and mins = -(dmin * m) exactly: d, dmin float16 per
+    super-block of 256 weights [N, K / 256], sc, m integers 0..63 per block [N, K / 32]; None if
+    the blocks do not factor so (not Q4_K's, or K not a multiple of 256)."""
+    num_rows, num_in = codes.shape
+    if codes.bits != 4 or num_in % (K_SUPER * CODE_BLOCK):
+        return None
+    d, sc = _factor(codes.scales.numpy())
+    dmin, m = _factor(-codes.mins.numpy())
+    if d is None or dmin is None:
+        return None
+    return d, sc, dmin, m
+
+
+def _factor(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """values [N, blocks] >= 0 as float16 [N, blocks / 8] times integers 0..63, exactly: the
+    super-block's largest value is tried as d * 63, then * 62 ... (the quantizer gives the
+    largest sub-block scale 63 in practice; any exact factoring will do)."""
+    if (values < 0).any():
+        return None, None
+    blocks = values.reshape(values.shape[0], -1, K_SUPER).astype(np.float32)
+    top = blocks.max(-1)
+    d = np.zeros_like(top, dtype=np.float16)
+    ints = np.zeros(blocks.shape, np.uint8)
+    solved = top == 0
+    for q in range(63, 0, -1):
+        if solved.all():
+            break
+        cand = (top / np.float32(q)).astype(np.float16)
+        cand32 = cand.astype(np.float32)[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            k = np.rint(blocks / cand32)
+        ok = (~solved) & (cand32[..., 0] > 0) & np.all((k >= 0) & (k <= 63) & (cand32 * k == blocks), axis=-1)
+        d[ok], ints[ok] = cand[ok], k[ok].astype(np.uint8)
+        solved |= ok
+    if not solved.all():
+        return None, None
+    return d, ints.reshape(values.shape)
 
 
 def _eight_bit_format(codes: BlockCodes) -> int:
@@ -79,8 +125,12 @@ def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
 
     parts = _header(codes, fmt, by_panel) + _code_chunks(codes, fmt, by_panel)
     records = np.concatenate([np.ascontiguousarray(p).view(np.uint8).reshape(num_panels, num_blocks, -1)
-                              for p in parts], axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(records.reshape(num_panels, -1)))
+                              for p in parts], axis=-1).reshape(num_panels, -1)
+    if fmt == INT_K4:                                 # the super-blocks' float16 d[16], dmin[16] after the records
+        d, _, dmin, _ = k_quant_factors(codes)
+        tail = np.concatenate([by_panel(d).transpose(0, 2, 1), by_panel(dmin).transpose(0, 2, 1)], axis=-1)
+        records = np.concatenate([records, np.ascontiguousarray(tail).view(np.uint8).reshape(num_panels, -1)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(records))
 
 
 def _header(codes: BlockCodes, fmt: int, by_panel) -> list[np.ndarray]:
@@ -88,6 +138,9 @@ def _header(codes: BlockCodes, fmt: int, by_panel) -> list[np.ndarray]:
     [P, blocks, 16] each, float16 or float32."""
     dtype = np.float32 if fmt in FLOAT32_SCALED else np.float16
     as_header = lambda a: by_panel(a).transpose(0, 2, 1).astype(dtype)    # noqa: E731
+    if fmt == INT_K4:                                 # the blocks' 6-bit scales and mins, a byte each
+        _, sc, _, m = k_quant_factors(codes)
+        return [by_panel(sc).transpose(0, 2, 1), by_panel(m).transpose(0, 2, 1)]
     scales = codes.scales.numpy()
     parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])] if fmt in HALF_SCALED else [as_header(scales)]
     if fmt in WITH_MINS:

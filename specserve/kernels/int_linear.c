@@ -50,7 +50,7 @@
 #define IQ_PREFETCH_BYTES 16384  /* weights prefetched this far ahead (panels lie back to back) */
 #endif
 enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5, IQ_F8H = 6, IQ_Q5_0 = 7, IQ_Q5_1 = 8,
-       IQ_Q6 = 9, IQ_NUM_FORMATS = 9 };
+       IQ_Q6 = 9, IQ_K4 = 10, IQ_NUM_FORMATS = 10 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define IQ_LEVEL 2            /* avx512_vnni */
@@ -67,12 +67,23 @@ static inline int iq_has_fifth_bit(int fmt) { return fmt == IQ_Q5_0 || fmt == IQ
 static inline int iq_bit_planes(int fmt) { return fmt == IQ_Q6 ? 2 : iq_has_fifth_bit(fmt) ? 1 : 0; }
 /* codes as nibbles (and maybe a fifth bit), unsigned */
 static inline int iq_is_nibble(int fmt) {
-    return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4 || iq_has_fifth_bit(fmt);
+    return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4 || fmt == IQ_K4 || iq_has_fifth_bit(fmt);
 }
-static inline int iq_has_min(int fmt) { return fmt == IQ_Q4_1 || fmt == IQ_Q5_1 || fmt == IQ_F4 || fmt == IQ_F8; }
-static inline int iq_scale_bytes(int fmt) { return iq_is_f32(fmt) ? 128 : iq_has_min(fmt) ? 64 : 32; }
+static inline int iq_has_min(int fmt) {
+    return fmt == IQ_Q4_1 || fmt == IQ_Q5_1 || fmt == IQ_F4 || fmt == IQ_F8 || fmt == IQ_K4;
+}
+/* K4 (Q4_K as stored): a record holds the block's 6-bit scales and mins as bytes (32 bytes);
+   each super-block of 8 blocks has float16 d[16] and dmin[16] (64 bytes) in the panel's tail,
+   after its nb records; scale = d * sc and min = -(dmin * m) are exact float32 products, the
+   values F4 would hold */
+static inline int iq_scale_bytes(int fmt) {
+    return iq_is_f32(fmt) ? 128 : (iq_has_min(fmt) && fmt != IQ_K4) ? 64 : 32;
+}
 static inline int iq_record_bytes(int fmt) {
     return iq_scale_bytes(fmt) + (iq_is_nibble(fmt) ? 256 : 512) + 64 * iq_bit_planes(fmt);
+}
+static inline long iq_panel_bytes(int fmt, int nb) {
+    return (long)nb * iq_record_bytes(fmt) + (fmt == IQ_K4 ? (long)(nb / 8) * 64 : 0);
 }
 
 /* The input rows quantized: q [M, K] int8; per row and block (index m * nb + b): the scale d,
@@ -195,9 +206,18 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
         for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
-        const __m512 dw = iq_scales16(p, f32);          /* F8H: the first half's scales */
-        const __m512 mw = iq_has_min(fmt) || halves     /* the mins; F8H: the second half's scales */
-                              ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
+        __m512 dw, mw;
+        if (fmt == IQ_K4) {
+            const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
+            dw = _mm512_mul_ps(iq_scales16(super, 0), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))));
+            mw = _mm512_mul_ps(iq_scales16(super + 32, 0),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))));
+            mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mw), _mm512_set1_epi32((int)0x80000000u)));
+        } else {
+            dw = iq_scales16(p, f32);                   /* F8H: the first half's scales */
+            mw = iq_has_min(fmt) || halves              /* the mins; F8H: the second half's scales */
+                     ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
+        }
         __m512i w[8];
         if (iq_is_signed(fmt)) {
             for (int j = 0; j < 8; j++) w[j] = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * j), flip);
@@ -291,8 +311,17 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
         if (h == 0)
             for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
-        const __m256 dw = iq_scales8(p, h, f32);        /* as in the AVX-512 tile */
-        const __m256 mw = iq_has_min(fmt) || halves ? iq_scales8(p + (f32 ? 64 : 32), h, f32) : _mm256_setzero_ps();
+        __m256 dw, mw;                                  /* as in the AVX-512 tile */
+        if (fmt == IQ_K4) {
+            const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
+            dw = _mm256_mul_ps(iq_scales8(super, h, 0), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)))));
+            mw = _mm256_mul_ps(iq_scales8(super + 32, h, 0),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 + 8 * h)))));
+            mw = _mm256_xor_ps(mw, _mm256_set1_ps(-0.0f));
+        } else {
+            dw = iq_scales8(p, h, f32);
+            mw = iq_has_min(fmt) || halves ? iq_scales8(p + (f32 ? 64 : 32), h, f32) : _mm256_setzero_ps();
+        }
         __m256i w[8];
         if (iq_is_signed(fmt)) {
             for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
@@ -371,14 +400,14 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     IQ_DEFINE(FMT, 5) IQ_DEFINE(FMT, 6) IQ_DEFINE(FMT, 7) IQ_DEFINE(FMT, 8) IQ_DEFINE(FMT, 9) IQ_DEFINE(FMT, 10) \
     IQ_DEFINE(FMT, 11) IQ_DEFINE(FMT, 12) IQ_DEFINE(FMT, 13) IQ_DEFINE(FMT, 14) IQ_DEFINE(FMT, 15) IQ_DEFINE(FMT, 16)
 IQ_DEFINE_ROWS(IQ_Q4_0) IQ_DEFINE_ROWS(IQ_Q4_1) IQ_DEFINE_ROWS(IQ_Q8_0) IQ_DEFINE_ROWS(IQ_F4) IQ_DEFINE_ROWS(IQ_F8)
-IQ_DEFINE_ROWS(IQ_F8H) IQ_DEFINE_ROWS(IQ_Q5_0) IQ_DEFINE_ROWS(IQ_Q5_1) IQ_DEFINE_ROWS(IQ_Q6)
+IQ_DEFINE_ROWS(IQ_F8H) IQ_DEFINE_ROWS(IQ_Q5_0) IQ_DEFINE_ROWS(IQ_Q5_1) IQ_DEFINE_ROWS(IQ_Q6) IQ_DEFINE_ROWS(IQ_K4)
 typedef void (*iq_tile_fn)(const uint8_t *, const iq_input *, long, float[][IQ_ROWS]);
 #define IQ_ROW_FNS(FMT) {iq_tile_##FMT##_1, iq_tile_##FMT##_2, iq_tile_##FMT##_3, iq_tile_##FMT##_4, \
     iq_tile_##FMT##_5, iq_tile_##FMT##_6, iq_tile_##FMT##_7, iq_tile_##FMT##_8, iq_tile_##FMT##_9, iq_tile_##FMT##_10, \
     iq_tile_##FMT##_11, iq_tile_##FMT##_12, iq_tile_##FMT##_13, iq_tile_##FMT##_14, iq_tile_##FMT##_15, iq_tile_##FMT##_16}
 static const iq_tile_fn IQ_TILE_FNS[IQ_NUM_FORMATS][16] = {
     IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0), IQ_ROW_FNS(IQ_F4), IQ_ROW_FNS(IQ_F8), IQ_ROW_FNS(IQ_F8H),
-    IQ_ROW_FNS(IQ_Q5_0), IQ_ROW_FNS(IQ_Q5_1), IQ_ROW_FNS(IQ_Q6)};
+    IQ_ROW_FNS(IQ_Q5_0), IQ_ROW_FNS(IQ_Q5_1), IQ_ROW_FNS(IQ_Q6), IQ_ROW_FNS(IQ_K4)};
 
 /* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N) */
 static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long m0, long m1, int pnl,
@@ -400,7 +429,8 @@ static int int_linear(const uint8_t *panels, int fmt, const void *x, const float
                       int M, int N, int K, int dtype, int nthreads) {
     if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_NUM_FORMATS || M < 1 || N < 1) return -1;
     const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
-    const long panel_bytes = (long)(K / IQ_K) * iq_record_bytes(fmt);
+    if (fmt == IQ_K4 && K % 256) return -1;
+    const long panel_bytes = iq_panel_bytes(fmt, K / IQ_K);
     iq_input a;
     if (iq_input_alloc(&a, M, K)) {
         iq_input_free(&a);

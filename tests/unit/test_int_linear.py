@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from specserve.kernels import build, int_codes
-from specserve.kernels.int_codes import INT_F4, INT_F8, INT_Q4_0, INT_Q4_1, INT_Q5_0, INT_Q5_1, INT_Q6, INT_Q8_0
+from specserve.kernels.int_codes import INT_F8, INT_K4, INT_Q4_0, INT_Q4_1, INT_Q5_0, INT_Q5_1, INT_Q6, INT_Q8_0
 from specserve.loading.gguf import block_codes
 
 needs_kernel = pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here (no AVX2 or no C compiler)")
 KINDS = {Q.Q4_0: INT_Q4_0, Q.Q4_1: INT_Q4_1, Q.Q8_0: INT_Q8_0, Q.Q5_0: INT_Q5_0, Q.Q5_1: INT_Q5_1,
-         Q.Q4_K: INT_F4, Q.Q5_K: INT_F8, Q.Q6_K: INT_Q6}
+         Q.Q4_K: INT_K4, Q.Q5_K: INT_F8, Q.Q6_K: INT_Q6}
 WITH_MIN = int_codes.WITH_MINS
 SCALE_BYTES = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
                Q.Q5_K: [0, 2], Q.Q6_K: [208]}    # where each block's float16 scales lie
@@ -314,4 +314,25 @@ def test_wider_codes_with_a_scale_per_16_weights_take_f8h():
     expected = torch.from_numpy(_int_linear_ref(x, codes, fmt))
     for variant in [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]:
         assert torch.equal(int_codes.int_linear(x, panels, fmt, codes.shape, library=build.load_variant(variant)),
+                           expected), variant
+
+
+@needs_kernel
+def test_q4_k_stored_as_its_6_bit_scales_gives_the_float32_scales_bits():
+    """K4 (Q4_K's 6-bit scales times a float16 per 256 weights, rebuilt in the kernel) and F4
+    (the same scales as float32) give the same bits; 4-bit blocks whose scales do not factor so
+    take F4, with the reference's bits, on every variant this CPU runs."""
+    from specserve.kernels.coded import BlockCodes
+    from specserve.kernels.int_codes import INT_F4
+
+    codes, x = _codes(Q.Q4_K, 40, 512, seed=23), _inputs(9, 512, seed=24)
+    assert int_codes.int_format(codes) == INT_K4
+    k4 = int_codes.int_linear(x, int_codes.panels(codes, INT_K4), INT_K4, codes.shape)
+    assert torch.equal(k4, int_codes.int_linear(x, int_codes.panels(codes, INT_F4), INT_F4, codes.shape))
+    odd = BlockCodes(codes.codes, codes.scales * 1.1, codes.mins, 4)          # no float16 x 6-bit factoring
+    assert int_codes.int_format(odd) == INT_F4
+    expected = torch.from_numpy(_int_linear_ref(x, odd, INT_F4))
+    panels = int_codes.panels(odd, INT_F4)
+    for variant in [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]:
+        assert torch.equal(int_codes.int_linear(x, panels, INT_F4, odd.shape, library=build.load_variant(variant)),
                            expected), variant
