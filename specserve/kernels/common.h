@@ -8,6 +8,7 @@
 #include <string.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#define MAX_HEAD_DIM 512      /* the largest head the attention and layer kernels take (stack buffers) */
 
 /* 8 bfloat16 values widened to float32 (exact) */
 static inline __m256 load_bf16(const uint16_t *p) {

@@ -61,7 +61,7 @@ static void rotary_head8(void *qkv, long base, const float *buf, const char *cos
 static void rotary(void *qkv, long ld, int first, int count, const void *cos, const void *sin,
                    int T, int hd, int is_bf16) {
     const int half = hd / 2, esize = is_bf16 ? 2 : 4;
-    float buf[512];
+    float buf[MAX_HEAD_DIM];
     for (int t = 0; t < T; t++) {
         for (int head = first; head < first + count; head++) {
             const long base = (long)t * ld + (long)head * hd;
@@ -155,7 +155,7 @@ int decoder_layer(void *h, const void *x_in, const void *const *norms, const lin
     const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
     const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
-    if (H % 8 || I % 8 || q_width % 8 || hd > 512 || (x_in == NULL && in_width != H)) return -1;
+    if (H % 8 || I % 8 || q_width % 8 || hd > MAX_HEAD_DIM || (x_in == NULL && in_width != H)) return -1;
     char *x = malloc((size_t)T * H * esize), *qkv = malloc((size_t)T * qkv_width * esize);
     char *attn = malloc((size_t)T * q_width * esize), *y = malloc((size_t)T * H * esize);
     char *gate_up = malloc((size_t)T * 2 * I * esize), *act = malloc((size_t)T * I * esize);

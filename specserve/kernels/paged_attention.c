@@ -100,14 +100,14 @@ static inline __m512 reduce_tile(const __m512 *p) {
 }
 /* scores of 16 keys for one query head q (hd16 floats, zero padded); HD16 a constant where
    the caller can make it one, so the query's chunks stay in registers */
-static inline __attribute__((always_inline)) __m512 score_tile_dtype(
-        const float *q, const char *const *keys, int head_dim, int HD16, int is_bf16) {
+static inline __attribute__((always_inline)) __m512 score_tile_f32(
+        const float *q, const char *const *keys, int head_dim, int HD16) {
     __m512 p[16];
     _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) {
         const char *key = keys[k];
-        p[k] = _mm512_mul_ps(_mm512_loadu_ps(q), v_load_row(key, 0, head_dim, is_bf16));
+        p[k] = _mm512_mul_ps(_mm512_loadu_ps(q), v_load_row(key, 0, head_dim, 0));
         _Pragma("GCC unroll 8") for (int d = 16; d < HD16; d += 16)
-            p[k] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), v_load_row(key, d, head_dim, is_bf16), p[k]);
+            p[k] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), v_load_row(key, d, head_dim, 0), p[k]);
     }
     return reduce_tile(p);
 }
@@ -126,36 +126,36 @@ static inline __m256 reduce_tile(const __m256 *r) {
     return _mm256_permutevar8x32_ps(total, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 /* scores of 8 keys: the 16 partial sums as two halves, lo = lanes 0..7, hi = lanes 8..15 */
-static inline __attribute__((always_inline)) __m256 score_tile_dtype(
-        const float *q, const char *const *keys, int head_dim, int HD16, int is_bf16) {
+static inline __attribute__((always_inline)) __m256 score_tile_f32(
+        const float *q, const char *const *keys, int head_dim, int HD16) {
     __m256 r[8];
     _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
         const char *key = keys[k];
-        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), v_load_row(key, 0, head_dim, is_bf16));
-        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), v_load_row(key, 8, head_dim, is_bf16));
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), v_load_row(key, 0, head_dim, 0));
+        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), v_load_row(key, 8, head_dim, 0));
         _Pragma("GCC unroll 8") for (int d = 16; d < HD16; d += 16) {
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), v_load_row(key, d, head_dim, is_bf16), lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), v_load_row(key, d + 8, head_dim, is_bf16), hi);
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), v_load_row(key, d, head_dim, 0), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), v_load_row(key, d + 8, head_dim, 0), hi);
         }
         r[k] = _mm256_add_ps(lo, hi);
     }
     return reduce_tile(r);
 }
 #endif
-/* score_tile_dtype with the dtype and the common head sizes as constants (no lane masks) */
-static vecf score_tile(const float *q, const char *const *keys, int head_dim, int hd16, int is_bf16) {
-    if (is_bf16) return score_tile_dtype(q, keys, head_dim, hd16, 1);
+/* score_tile_f32 (key rows in float32: ``tile_rows`` widens bfloat16 ones first) with the common
+   head sizes as constants (no lane masks) */
+static vecf score_tile(const float *q, const char *const *keys, int head_dim, int hd16) {
     switch (head_dim) {
-    case 64: return score_tile_dtype(q, keys, 64, 64, 0);
-    case 128: return score_tile_dtype(q, keys, 128, 128, 0);
-    default: return score_tile_dtype(q, keys, head_dim, hd16, 0);
+    case 64: return score_tile_f32(q, keys, 64, 64);
+    case 128: return score_tile_f32(q, keys, 128, 128);
+    default: return score_tile_f32(q, keys, head_dim, hd16);
     }
 }
 
 /* A tile's key rows as score_tile reads them: bfloat16 rows widened once into `widened`
    (ATT_LANES rows of hd16 floats, exact) for all the query heads that score them, instead of
    once per head (at batch 32 the per-head widening made a bfloat16 cache no faster than a
-   float32 one); float32 rows in place. head_dim <= 512 (attention_rows checks). */
+   float32 one); float32 rows in place. head_dim <= MAX_HEAD_DIM (attention_rows checks). */
 static void tile_rows(const char *const *rows, const char **out, float *widened, int head_dim, int hd16, int is_bf16) {
     for (int i = 0; i < ATT_LANES; i++) {
         if (!is_bf16) {
@@ -174,7 +174,7 @@ static void tile_rows(const char *const *rows, const char **out, float *widened,
 static void score_keys(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
                        int group, int head_dim, int hd16, int is_bf16, int padded, float *scores) {
     const int esize = is_bf16 ? 2 : 4;
-    float widened[ATT_LANES * 512];
+    float widened[ATT_LANES * MAX_HEAD_DIM];
     for (int l0 = 0; l0 < num_keys; l0 += ATT_LANES) {
         const int n = num_keys - l0 < ATT_LANES ? num_keys - l0 : ATT_LANES;
         const char *rows[ATT_LANES], *keys[ATT_LANES];
@@ -183,7 +183,7 @@ static void score_keys(const float *q, const char *k_base, long slot_stride, con
             prefetch_row(k_base + slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
         tile_rows(rows, keys, widened, head_dim, hd16, is_bf16);
         for (int g = 0; g < group; g++)
-            v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16, 0), n);
+            v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16), n);
     }
 }
 
@@ -368,7 +368,7 @@ static void attend_block(const void *q, long q_ld, const void *k_layer, const vo
         }
         for (int l0 = 0; l0 < shared; l0 += ATT_LANES) {
             const char *tile[ATT_LANES], *keys[ATT_LANES];
-            float widened[ATT_LANES * 512];
+            float widened[ATT_LANES * MAX_HEAD_DIM];
             for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + s[0].slots[l0 + i] * slot_stride;
             for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < shared; i++)
                 prefetch_row(k_base + s[0].slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
@@ -377,7 +377,7 @@ static void attend_block(const void *q, long q_ld, const void *k_layer, const vo
                 const int padded = (s[r].num_keys + 7) / 8 * 8;
                 for (int g = 0; g < group; g++)
                     v_store_part(s[r].scores + g * padded + l0,
-                                 score_tile(s[r].qf + g * hd16, keys, head_dim, hd16, 0), ATT_LANES);
+                                 score_tile(s[r].qf + g * hd16, keys, head_dim, hd16), ATT_LANES);
             }
         }
         for (int r = 0; r < rows; r++)
@@ -422,7 +422,7 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
                    int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
                    int dtype, int kv_dtype, int nthreads) {
     const int group = num_heads / num_kv_heads;
-    if (head_dim % 8 || head_dim > 512 || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
+    if (head_dim % 8 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
     const int q_bf16 = dtype == DTYPE_BF16, is_bf16 = kv_dtype == DTYPE_BF16;
     const int hd16 = (head_dim + 15) / 16 * 16;
     /* a task: a segment of consecutive rows of one request (at most `block`) with all their KV
