@@ -123,23 +123,24 @@ def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
         a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
         return a.reshape(num_panels, PANEL_ROWS, *a.shape[1:])
 
-    parts = _header(codes, fmt, by_panel) + _code_chunks(codes, fmt, by_panel)
+    factors = k_quant_factors(codes) if fmt == INT_K4 else None
+    parts = _header(codes, fmt, by_panel, factors) + _code_chunks(codes, fmt, by_panel)
     records = np.concatenate([np.ascontiguousarray(p).view(np.uint8).reshape(num_panels, num_blocks, -1)
                               for p in parts], axis=-1).reshape(num_panels, -1)
-    if fmt == INT_K4:                                 # the super-blocks' float16 d[16], dmin[16] after the records
-        d, _, dmin, _ = k_quant_factors(codes)
+    if factors is not None:                           # the super-blocks' float16 d[16], dmin[16] after the records
+        d, _, dmin, _ = factors
         tail = np.concatenate([by_panel(d).transpose(0, 2, 1), by_panel(dmin).transpose(0, 2, 1)], axis=-1)
         records = np.concatenate([records, np.ascontiguousarray(tail).view(np.uint8).reshape(num_panels, -1)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(records))
 
 
-def _header(codes: BlockCodes, fmt: int, by_panel) -> list[np.ndarray]:
-    """A record's scales (F8H: those of the first halves, then of the second), then its mins:
-    [P, blocks, 16] each, float16 or float32."""
+def _header(codes: BlockCodes, fmt: int, by_panel, factors: tuple[np.ndarray, ...] | None) -> list[np.ndarray]:
+    """A record's scales (F8H, Q6: those of the first halves, then of the second), then its
+    mins: [P, blocks, 16] each, float16 or float32; K4: the 6-bit ``factors`` as bytes."""
     dtype = np.float32 if fmt in FLOAT32_SCALED else np.float16
     as_header = lambda a: by_panel(a).transpose(0, 2, 1).astype(dtype)    # noqa: E731
-    if fmt == INT_K4:                                 # the blocks' 6-bit scales and mins, a byte each
-        _, sc, _, m = k_quant_factors(codes)
+    if factors is not None:                           # the blocks' 6-bit scales and mins, a byte each
+        _, sc, _, m = factors
         return [by_panel(sc).transpose(0, 2, 1), by_panel(m).transpose(0, 2, 1)]
     scales = codes.scales.numpy()
     parts = [as_header(scales[:, 0::2]), as_header(scales[:, 1::2])] if fmt in HALF_SCALED else [as_header(scales)]

@@ -33,8 +33,8 @@
    one of sixth), 8 bytes per chunk, bit 4i + t = row i's weight 4j + t (a byte mask on
    AVX-512: one masked move puts a plane in place). So one vpdpbusd of a chunk against 4 input
    bytes broadcast gives the 16 rows' partial sums in its 16 lanes: no horizontal sums, the
-   weights of a block are decoded once for every input row of the tile (register blocking over W), and each lane's arithmetic is the same
-   whatever the vector width: the AVX2 variant runs the same panels as two halves of 8 lanes
+   weights of a block are decoded once for every input row of the tile (register blocking over
+   W), and each lane's arithmetic is the same whatever the vector width: the AVX2 variant runs the same panels as two halves of 8 lanes
    (vpmaddubsw + vpmaddwd instead of vpdpbusd, the same exact int32 sums) and gives the same bits.
 
    Row invariance: a row's result depends only on that row and the weights (its own quantization
@@ -63,11 +63,11 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5,
 
 static inline int iq_is_f32(int fmt) { return (fmt >= IQ_F4 && fmt <= IQ_F8H) || fmt == IQ_Q6; }   /* float32 scales */
 static inline int iq_has_halves(int fmt) { return fmt == IQ_F8H || fmt == IQ_Q6; }   /* a scale per 16 weights */
-static inline int iq_has_fifth_bit(int fmt) { return fmt == IQ_Q5_0 || fmt == IQ_Q5_1 || fmt == IQ_Q6; }
-static inline int iq_bit_planes(int fmt) { return fmt == IQ_Q6 ? 2 : iq_has_fifth_bit(fmt) ? 1 : 0; }
-/* codes as nibbles (and maybe a fifth bit), unsigned */
+/* code bits above the nibble, stored as planes of 64 bytes: Q5_0/Q5_1 one, Q6 two */
+static inline int iq_bit_planes(int fmt) { return fmt == IQ_Q6 ? 2 : fmt == IQ_Q5_0 || fmt == IQ_Q5_1 ? 1 : 0; }
+/* codes as nibbles (and maybe bit planes), unsigned */
 static inline int iq_is_nibble(int fmt) {
-    return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4 || fmt == IQ_K4 || iq_has_fifth_bit(fmt);
+    return fmt == IQ_Q4_0 || fmt == IQ_Q4_1 || fmt == IQ_F4 || fmt == IQ_K4 || iq_bit_planes(fmt) > 0;
 }
 static inline int iq_has_min(int fmt) {
     return fmt == IQ_Q4_1 || fmt == IQ_Q5_1 || fmt == IQ_F4 || fmt == IQ_F8 || fmt == IQ_K4;
@@ -195,6 +195,10 @@ static void iq_input_free(iq_input *a) { free(a->q), free(a->d), free(a->ds), fr
 static inline __m512 iq_scales16(const uint8_t *p, int f32) {
     return f32 ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
+/* K4: 16 float16 values at f16 times the 16 bytes at bytes (exact: 11 x 6 bits) */
+static inline __m512 iq_k4_scales16(const uint8_t *f16, const uint8_t *bytes) {
+    return _mm512_mul_ps(iq_scales16(f16, 0), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes))));
+}
 
 /* R input rows (from m0) x one panel, AVX-512 VNNI: out[r][i] = row m0 + r, weight row i */
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
@@ -209,10 +213,9 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
         __m512 dw, mw;
         if (fmt == IQ_K4) {
             const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
-            dw = _mm512_mul_ps(iq_scales16(super, 0), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))));
-            mw = _mm512_mul_ps(iq_scales16(super + 32, 0),
-                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))));
-            mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mw), _mm512_set1_epi32((int)0x80000000u)));
+            dw = iq_k4_scales16(super, p);
+            mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(iq_k4_scales16(super + 32, p + 16)),
+                                                      _mm512_set1_epi32((int)0x80000000u)));      /* -(dmin * m) */
         } else {
             dw = iq_scales16(p, f32);                   /* F8H: the first half's scales */
             mw = iq_has_min(fmt) || halves              /* the mins; F8H: the second half's scales */
@@ -295,6 +298,11 @@ static inline __m256i iq_plane_bits32(const uint8_t *p, char value) {
 static inline __m256 iq_scales8(const uint8_t *p, int h, int f32) {
     return f32 ? _mm256_loadu_ps((const float *)p + 8 * h) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
 }
+/* K4, half h: 8 float16 values at f16 times 8 bytes at bytes (exact: 11 x 6 bits) */
+static inline __m256 iq_k4_scales8(const uint8_t *f16, const uint8_t *bytes, int h) {
+    return _mm256_mul_ps(iq_scales8(f16, h, 0),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * h)))));
+}
 
 /* R input rows x half h (weight rows 8h..8h+7) of one panel, AVX2: the same lanes' arithmetic
    as the AVX-512 tile. Two 16-bit partial sums per lane pair are exact: Q4 codes <= 15 and
@@ -314,10 +322,8 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
         __m256 dw, mw;                                  /* as in the AVX-512 tile */
         if (fmt == IQ_K4) {
             const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
-            dw = _mm256_mul_ps(iq_scales8(super, h, 0), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)))));
-            mw = _mm256_mul_ps(iq_scales8(super + 32, h, 0),
-                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 + 8 * h)))));
-            mw = _mm256_xor_ps(mw, _mm256_set1_ps(-0.0f));
+            dw = iq_k4_scales8(super, p, h);
+            mw = _mm256_xor_ps(iq_k4_scales8(super + 32, p + 16, h), _mm256_set1_ps(-0.0f));   /* -(dmin * m) */
         } else {
             dw = iq_scales8(p, h, f32);
             mw = iq_has_min(fmt) || halves ? iq_scales8(p + (f32 ? 64 : 32), h, f32) : _mm256_setzero_ps();
@@ -340,45 +346,40 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
             const long i = (m0 + r) * nb + b;
             const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
             const __m256 dx = _mm256_set1_ps(a->d[i]);
-            __m256i s = iq_starts_at_zero(fmt) ? _mm256_setzero_si256() : _mm256_set1_epi32(a->start[i]);
+            /* the exact integer sums of the block's halves (weights 0..15, 16..31), from their
+               start values as in the AVX-512 tile */
+            __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+            if (!iq_starts_at_zero(fmt)) {
+                lo = _mm256_set1_epi32(halves ? a->start_lo[i] : a->start[i]);
+                if (halves) hi = _mm256_set1_epi32(a->start[i] - a->start_lo[i]);
+            }
             if (iq_is_signed(fmt)) {
-                __m256i t = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
                     const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[j]),
                                                                                 _mm256_sign_epi8(qv, w[j])), ones);
-                    if (j < 4) s = _mm256_add_epi32(s, prod);
-                    else t = _mm256_add_epi32(t, prod);
+                    if (j < 4) lo = _mm256_add_epi32(lo, prod);
+                    else hi = _mm256_add_epi32(hi, prod);
                 }
-                if (halves) {
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(t), acc[r]);
-                    continue;
-                }
-                s = _mm256_add_epi32(s, t);
             } else {      /* 16-bit sums widened every 8 chunks (4-bit codes), 4 (5-bit: 8 products
                              of <= 31 * 127 fit) or 2 (6-bit: 4 of <= 63 * 127) */
                 const int widen = iq_bit_planes(fmt) == 2 ? 2 : iq_bit_planes(fmt) == 1 ? 4 : 8;
-                __m256i t = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-                if (halves) {     /* Q6: the halves start at start_lo and start - start_lo */
-                    s = _mm256_set1_epi32(a->start_lo[i]);
-                    hi = _mm256_set1_epi32(a->start[i] - a->start_lo[i]);
-                }
+                __m256i t = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(iq_load4(q + 4 * j))));
                     if ((j + 1) % widen == 0) {
-                        if (halves && j >= 4) hi = _mm256_add_epi32(hi, _mm256_madd_epi16(t, ones));
-                        else s = _mm256_add_epi32(s, _mm256_madd_epi16(t, ones));
+                        if (j >= 4) hi = _mm256_add_epi32(hi, _mm256_madd_epi16(t, ones));
+                        else lo = _mm256_add_epi32(lo, _mm256_madd_epi16(t, ones));
                         t = _mm256_setzero_si256();
                     }
                 }
-                if (halves) {
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(hi), acc[r]);
-                    continue;
-                }
             }
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), acc[r]);
+            if (halves) {
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lo), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(hi), acc[r]);
+                continue;
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), acc[r]);
             if (iq_has_min(fmt)) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->ds[i]), acc[r]);
         }
     }
