@@ -73,10 +73,13 @@ def build_app(server_args: ServerArgs) -> Any:
 def run_server(server_args: ServerArgs) -> None:
     import uvicorn
 
+    from specserve.runner.gc_freeze import freeze_long_lived_objects
+
     class AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
+                freeze_long_lived_objects("front")
                 print(f"{READY_MESSAGE} Serving on {server_url(server_args)}", flush=True)
 
     app = build_app(server_args)

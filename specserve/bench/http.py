@@ -31,6 +31,7 @@ from specserve.bench.serving import (
     WARMUP_TEXT, concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts,
     warm_up,
 )
+from specserve.runner.gc_freeze import freeze_long_lived_objects
 from specserve.runner.openmp_pool import release_thread_team
 
 MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM --quantization gguf"   # make serve's SPEC_ARGS QUANT_ARGS
@@ -141,8 +142,20 @@ def batch_one(args, server_args, id_lists, ttft_ids, warm_ids, fresh_server) -> 
         for mode, url in urls.items():
             levels.append(level_figures(1, mode == "stream", records[mode], seconds[mode], solo))
             levels[-1]["server_after"] = hc.server_state(url)
+            levels[-1]["speculation"] = _spec_figures(hc.server_info(url))
+        if core is not None:
+            out["offline"]["speculation"] = _spec_figures(core.get_server_info())
     out.update(batch_one_levels=levels, solo=solo)
     return out
+
+
+def _spec_figures(info: dict[str, Any]) -> dict[str, Any]:
+    """What the speculation of one batch-1 engine did: its policy decides per process (cost curve
+    timed at startup), so two servers of the same flags may differ here."""
+    policy = info.get("spec_policy") or {}
+    return {"avg_accept_length": info.get("avg_spec_accept_length"),
+            "request_steps_drafted": policy.get("request_steps_drafted"),
+            "request_steps_plain": policy.get("request_steps_plain")}
 
 
 def _one_request(mode: str, url: str | None, core, ids: list[int], max_new_tokens: int):
@@ -183,6 +196,7 @@ def level_figures(level: int, stream: bool, records: list[hc.HttpRecord], wall: 
         "ttft_median_s": report.median(r.ttft for r in done), "ttft_p99_s": percentile([r.ttft for r in done], 99),
         "itl_median_s": report.median(itls), "itl_p99_s": percentile(itls, 99),
         "request_tokens_per_s_median": report.median(r.tokens_per_second for r in done),
+        "request_tokens_per_s": [r.tokens_per_second for r in done],
         "status_counts": _status_counts(records),
         "num_errors": sum(r.error is not None for r in records),
         "num_differing_from_solo": _differing(done, solo),
@@ -234,8 +248,8 @@ def random_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 @contextlib.contextmanager
 def _offline_core(args, server_args: list[str]):
-    """The same flags as the server, as an in-process LLMEngine (None with --no-offline), its KV
-    cache reserved at startup as the server's is."""
+    """The same flags as the server, as an in-process LLMEngine (None with --no-offline), set up
+    as the model process sets its engine up: KV cache reserved, long-lived objects frozen."""
     if args.no_offline:
         yield None
         return
@@ -245,6 +259,7 @@ def _offline_core(args, server_args: list[str]):
 
     core = LLMEngine(parse_server_args(server_args))
     core.prefault_kv_cache()
+    freeze_long_lived_objects("bench http's offline engine")   # as the model process does
     try:
         warm_up(core, core.tokenizer)
         yield core
@@ -255,7 +270,7 @@ def _offline_core(args, server_args: list[str]):
 def _offline_figures(records, wall: float, core, ttft_ids) -> dict[str, Any]:
     prefill = [_prefill_forward_seconds(core, ids) for ids in ttft_ids]
     rates = [len(r.output_ids) / (r.t_end - r.t_add) for r in records if r.t_end]
-    return {"request_tokens_per_s_median": report.median(rates),
+    return {"request_tokens_per_s_median": report.median(rates), "request_tokens_per_s": rates,
             "output_tokens_per_s": sum(len(r.output_ids) for r in records) / wall,
             "texts": {r.index: r.text for r in records},
             "prefill_forward_128_median_s": report.median(prefill)}

@@ -225,8 +225,12 @@ async def run_load(base_url: str, id_lists: list[list[int]], spec: LoadSpec, pro
     return records, time.perf_counter() - start
 
 
+def server_info(base_url: str) -> dict[str, Any]:
+    return httpx.get(f"{base_url}/get_server_info", timeout=30).json()
+
+
 def server_state(base_url: str) -> dict[str, Any]:
-    info = httpx.get(f"{base_url}/get_server_info", timeout=30).json()
+    info = server_info(base_url)
     usage = info.get("kv_usage") or {}
     held = usage.get("total", 0) - usage.get("free", 0) - usage.get("evictable", 0)
     return {"num_running_reqs": info.get("num_running_reqs"), "num_waiting_reqs": info.get("num_waiting_reqs"),

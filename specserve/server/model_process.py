@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from specserve.config import ConfigError, ServerArgs
+from specserve.runner.gc_freeze import freeze_long_lived_objects
 from specserve.server import ipc
 from specserve.server.stream_batching import StreamBatcher
 
@@ -70,6 +71,7 @@ def _build_engine(server_args: ServerArgs, outbox: zmq.Socket) -> Any:
     start = time.perf_counter()
     touched = engine.prefault_kv_cache()
     logger.info("KV cache reserved: %.2f GiB touched in %.1f s", touched / 2**30, time.perf_counter() - start)
+    freeze_long_lived_objects("model process")
     tokenizer_path = server_args.tokenizer_path or engine.model_path
     outbox.send(ipc.encode(ipc.Ready(str(engine.model_path), str(tokenizer_path), engine.context_len,
                                      engine.model_config.vocab_size, os.getpid())))
