@@ -16,7 +16,6 @@ and no request running afterwards.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import random
 import shlex
@@ -163,23 +162,23 @@ def _one_request(mode: str, url: str | None, core, ids: list[int], max_new_token
         (record,), wall = run_requests(core, [ids], lambda: sampling_params(max_new_tokens, True), 1)
         release_thread_team()         # its workers would spin on, into the next turn
         return record, wall
-    (record,), wall = asyncio.run(hc.run_load(url, [ids], hc.LoadSpec(1, mode == "stream", max_new_tokens, 1)))
+    (record,), wall = hc.run(hc.run_load(url, [ids], hc.LoadSpec(1, mode == "stream", max_new_tokens, 1)))
     return record, wall
 
 
 def _warm_up(base_url: str, warm_ids: list[int]) -> None:
     """First-call costs (kernel selection, allocations) on a prompt outside the eval set."""
-    asyncio.run(hc.run_load(base_url, [warm_ids], hc.LoadSpec(2, True, 16, 4)))
+    hc.run(hc.run_load(base_url, [warm_ids], hc.LoadSpec(2, True, 16, 4)))
 
 
 def _load(base_url, id_lists, spec: hc.LoadSpec, desc: str):
     total = None if spec.duration_s else spec.num_requests
     with progress_bar(total or 0, desc) as bar:
-        return asyncio.run(hc.run_load(base_url, id_lists, spec, bar))
+        return hc.run(hc.run_load(base_url, id_lists, spec, bar))
 
 
 def _ttft_run(base_url: str, ttft_ids: list[list[int]]) -> dict[str, Any]:
-    records, _ = asyncio.run(hc.run_load(base_url, ttft_ids, hc.LoadSpec(1, True, 1, len(ttft_ids))))
+    records, _ = hc.run(hc.run_load(base_url, ttft_ids, hc.LoadSpec(1, True, 1, len(ttft_ids))))
     values = [r.ttft for r in records if r.error is None]
     return {"ttft_median_s": report.median(values), "values_s": values}
 

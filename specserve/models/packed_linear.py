@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.kernels import int_codes, skinny
+from specserve.kernels import huge_pages, int_codes, skinny
 from specserve.kernels.coded import CODE_BLOCK, BlockCodes, q8_0_codes
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class Linear(nn.Linear):
     native_weights: skinny.LinearWeights | None = None   # what the skinny kernel reads
     int_panels: torch.Tensor | None = None     # the GGUF blocks for the integer kernel (gguf path)
     int_format: int = 0                        # their int_codes format
+    int_panels_in_huge_pages: bool = False     # moved by _gather_int_panels (never again)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.skinny_max_rows * self.in_features and not torch.is_grad_enabled():
@@ -112,6 +113,7 @@ class Linear(nn.Linear):
         """Back to ``F.linear`` on ``self.weight`` (before training, or before changing it)."""
         self.packed_weight = self.compute_dtype = self.compute_bias = self.skinny_bias = None
         self.coded_records = self.native_weights = self.int_panels = None
+        self.int_panels_in_huge_pages = False
         self.plain_max_rows, self.pads_single_row, self.skinny_max_rows, self.int_format = 0, False, 0, 0
 
 
@@ -153,8 +155,22 @@ def pack_linears_for_cpu(model: nn.Module, quantization: str | None = None) -> i
         elif has_packed_kernels(torch.float32):
             _pack_in_float32(module)
     _pad_single_rows_per_shape(model)
+    _gather_int_panels(model)
     logger.debug("prepacked %d linear layers for oneDNN", count)
     return count
+
+
+def _gather_int_panels(model: nn.Module) -> None:
+    """The integer kernels' panels of ``model``'s linears moved into one block backed by huge
+    pages (``kernels/huge_pages.py``) before any native layer points at them; panels moved once
+    stay put (a linear shared with a model packed earlier may be pointed at already)."""
+    modules = [m for m in model.modules()
+               if isinstance(m, Linear) and m.int_panels is not None and not m.int_panels_in_huge_pages]
+    copies = huge_pages.gather([m.int_panels for m in modules])
+    for module, panels in zip(modules, copies or []):
+        module.int_panels, module.int_panels_in_huge_pages = panels, True
+        module.native_weights = skinny.linear_weights(module.weight.detach(), int_panels=panels,
+                                                      int_format=module.int_format)
 
 
 def quantize_linears_q8_0(model: nn.Module) -> int:

@@ -1,0 +1,61 @@
+"""Read-only weights gathered into memory advised for transparent huge pages (Linux).
+
+Why: a decode step streams every weight once (~90 MB for the default model in Q4_1). In 4 KiB
+pages that is ~23,000 pages a step, each a TLB miss and a page walk (two-level in a VM), and the
+hardware prefetchers stop at every page boundary. Gathered into one block that ``madvise`` asks
+to back with 2 MiB pages, the default model's integer panels decoded 3.8% faster on average
+over four processes of each kind taking turns (219.7 vs 211.7 tokens/s, 2 threads, 2-core
+AVX-512 VNNI Xeon; 1-5% across runs, more when the machine's caches are contended). Where the
+kernel keeps transparent huge pages off (``never``), or off Linux, nothing changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+ALIGN = 64          # each tensor's start, as torch's own allocations
+
+
+def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Copies of the contiguous CPU ``tensors`` side by side in one block whose whole 2 MiB
+    pages are advised huge; None (nothing copied) off Linux, under one huge page of data, or
+    when ``madvise`` refuses."""
+    sizes = [_round_up(t.numel() * t.element_size(), ALIGN) for t in tensors]
+    total = sum(sizes)
+    if total < HUGE_PAGE or not sys.platform.startswith("linux"):
+        return None
+    block = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)      # untouched: no page backs it yet
+    start = -block.data_ptr() % HUGE_PAGE
+    if not _advise_huge(block.data_ptr() + start, total // HUGE_PAGE * HUGE_PAGE):
+        return None
+    copies, offset = [], start
+    for tensor, size in zip(tensors, sizes):
+        nbytes = tensor.numel() * tensor.element_size()
+        copy = block[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        copy.copy_(tensor)
+        copies.append(copy)
+        offset += size
+    return copies
+
+
+def _advise_huge(address: int, length: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(address, length, MADV_HUGEPAGE) == 0:
+            return True
+        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError):
+        pass
+    return False
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
