@@ -246,6 +246,7 @@ def _use_integer(module: Linear) -> bool:
     if fmt is None or not _rebuilds(codes, weight):
         return False
     module.int_panels, module.int_format = int_codes.panels(codes, fmt), fmt
+    module.int_panels_in_huge_pages = False    # new panels: _gather_int_panels may move them
     module.coded_records, module.packed_weight, module.skinny_max_rows = None, None, ALL_ROWS
     module.skinny_bias = None if module.bias is None else module.bias.detach().float()
     module.native_weights = skinny.linear_weights(weight.detach(), int_panels=module.int_panels, int_format=fmt)
