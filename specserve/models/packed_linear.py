@@ -168,9 +168,13 @@ def _gather_int_panels(model: nn.Module) -> None:
                if isinstance(m, Linear) and m.int_panels is not None and not m.int_panels_in_huge_pages]
     copies = huge_pages.gather([m.int_panels for m in modules])
     for module, panels in zip(modules, copies or []):
-        module.int_panels, module.int_panels_in_huge_pages = panels, True
-        module.native_weights = skinny.linear_weights(module.weight.detach(), int_panels=panels,
-                                                      int_format=module.int_format)
+        _set_int_panels(module, panels, module.int_format, in_huge_pages=True)
+
+
+def _set_int_panels(module: Linear, panels: torch.Tensor, fmt: int, in_huge_pages: bool) -> None:
+    """``module``'s integer-kernel panels, and the native weights that point at them."""
+    module.int_panels, module.int_format, module.int_panels_in_huge_pages = panels, fmt, in_huge_pages
+    module.native_weights = skinny.linear_weights(module.weight.detach(), int_panels=panels, int_format=fmt)
 
 
 def quantize_linears_q8_0(model: nn.Module) -> int:
@@ -245,11 +249,9 @@ def _use_integer(module: Linear) -> bool:
     fmt = int_codes.int_format(codes)
     if fmt is None or not _rebuilds(codes, weight):
         return False
-    module.int_panels, module.int_format = int_codes.panels(codes, fmt), fmt
-    module.int_panels_in_huge_pages = False    # new panels: _gather_int_panels may move them
+    _set_int_panels(module, int_codes.panels(codes, fmt), fmt, in_huge_pages=False)   # _gather_int_panels may move them
     module.coded_records, module.packed_weight, module.skinny_max_rows = None, None, ALL_ROWS
     module.skinny_bias = None if module.bias is None else module.bias.detach().float()
-    module.native_weights = skinny.linear_weights(weight.detach(), int_panels=module.int_panels, int_format=fmt)
     del weight.block_codes                 # the panels hold them now
     return True
 
