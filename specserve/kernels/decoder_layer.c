@@ -34,6 +34,17 @@ static void rms_norm(const void *h, const void *w, void *out, int T, int H, floa
     }
 }
 
+/* rms_norm for callers outside a layer (a draft head's norms, the final norm): rows of h
+   [T, H] contiguous into rows of out spaced out_ld elements apart (a column block of a wider
+   tensor). Returns -1 for a width it does not take. */
+int rms_norm_rows(const void *h, const void *w, void *out, long out_ld, int T, int H, float eps, int dtype) {
+    if (H % 8) return -1;
+    const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    for (int t = 0; t < T; t++)
+        rms_norm((const char *)h + (long)t * H * esize, w, (char *)out + t * out_ld * esize, 1, H, eps, is_bf16);
+    return 0;
+}
+
 /* out[0..8) = round(x * c) + round(r * s) on 8 lanes. Intrinsics, not a scalar loop: the
    compiler may version a plain loop (vector / scalar by a runtime aliasing check on the
    addresses) and fuse the multiply-add differently in each version, so a row's bits would

@@ -116,6 +116,33 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
     return captured
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's RMSNorm of the rows of ``x`` [T, H] (contiguous; ``weight`` in its dtype) in one native
+    call, into ``out`` (default a new tensor; or any [T, H] view whose rows are contiguous, such
+    as a column block of a wider tensor). Per row, so row-invariant; the bits may differ from
+    torch's in the last place."""
+    out = torch.empty_like(x) if out is None else out
+    status = _norm_function()(x.data_ptr(), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0],
+                              x.shape[1], eps, DTYPE_CODES[x.dtype])
+    if status != 0:
+        raise RuntimeError(f"rms_norm rejected width {x.shape[1]}")
+    return out
+
+
+def can_run_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm`` takes these: CPU, no gradient, same float32/bfloat16 dtype, 2-D
+    contiguous, width a multiple of 8, kernels built."""
+    return (x.device.type == "cpu" and not torch.is_grad_enabled() and x.dim() == 2 and x.is_contiguous()
+            and x.dtype in DTYPE_CODES and weight.dtype == x.dtype and x.shape[1] % 8 == 0
+            and weight.is_contiguous() and _norm_function() is not None)
+
+
+@functools.cache
+def _norm_function():
+    return build.function("rms_norm_rows", [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                                                                     ctypes.c_float, ctypes.c_int])
+
+
 @functools.cache
 def _stack_function():
     return build.function("decoder_layers", [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]

@@ -49,6 +49,14 @@ class AttentionMetadata:
     query_mask: torch.Tensor | None = None    # [B, Q, L] bool, the mask before the GQA repeat
     row_batch: torch.Tensor | None = None     # [T] int32: each new token's request
     row_query: torch.Tensor | None = None     # [T] int32: its query index within the request
+    num_kv_groups: int = 1                    # query heads per KV head (for ``grouped_mask``)
+
+    def grouped_mask(self) -> torch.Tensor | None:
+        """``mask``, formed from ``query_mask`` on first use where only that was built (the
+        native kernel reads ``query_mask``; torch's path needs the GQA-repeated one)."""
+        if self.mask is None and self.query_mask is not None:
+            self.mask = self.query_mask.unsqueeze(1).repeat(1, 1, self.num_kv_groups, 1)
+        return self.mask
 
 
 class KVCache:
@@ -237,9 +245,9 @@ class TorchSDPABackend:
         keys = _gather(k_layer, meta.kv_indices).transpose(1, 2).to(q.dtype)    # [B, nkv, L, hd]
         values = _gather(v_layer, meta.kv_indices).transpose(1, 2).to(q.dtype)
         if meta.row_invariant:
-            out = row_invariant_attention(q, keys, values, meta.mask)
+            out = row_invariant_attention(q, keys, values, meta.grouped_mask())
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask)  # [B, nkv, g*Q, hd]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.grouped_mask())  # [B, nkv, g*Q, hd]
         out = out.view(bsz, num_kv, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(bsz * max_q, num_heads * head_dim)
         if meta.output_index is not None:

@@ -15,8 +15,9 @@ from specserve.models.draft_head import (DRAFT_PATH_FLAG, DraftCheckpoint, Draft
                                          read_hf_dir, read_mtp_checkpoint, strip_model_prefix)
 from specserve.models.eagle import EagleHead
 from specserve.models.eagle3 import Eagle3Head
+from specserve.models.layers import use_native_norms
 from specserve.models.mtp import NextNHead
-from specserve.models.packed_linear import integer_quantization, pack_linears_for_cpu
+from specserve.models.packed_linear import integer_quantization, pack_linears_for_cpu, runs_integer
 
 if TYPE_CHECKING:
     from specserve.models.llama import LlamaForCausalLM
@@ -50,6 +51,8 @@ def load_draft_head(algorithm: str, draft_path: str | None, target: "LlamaForCau
     head.bind_target(target)
     head.init_rotary(max_position, device)
     pack_linears_for_cpu(head, integer_quantization(head, quantization))
+    if runs_integer(head):
+        use_native_norms(head)
     logger.info("draft head %s from %s: %d layer(s), draft vocab %d", checkpoint.kind, checkpoint.path,
                 head.config.num_hidden_layers, head.draft_vocab_size)
     return head.eval()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.kernels import layer as native_layer
 from specserve.models.attention import AttentionMetadata, KVCache
 from specserve.models.draft_head import DraftCheckpoint, DraftHead, draft_vocab_ids, strip_model_prefix
 from specserve.models.layers import RMSNorm
@@ -46,13 +47,27 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache, meta,
                 backend) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)    # [T, 2H]
+        x = self._attention_input(embeds, hidden)                                            # [T, 2H]
         if self.runs_native(x.shape[0], meta):      # the rest in one native call, from x
             h = hidden.clone(memory_format=torch.contiguous_format)
             self.forward_native(h, cos, sin, cache, meta, x_in=x)
             return h
         h = hidden + self.self_attn(x, cos, sin, cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+    def _attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[input_layernorm(embeds), hidden_norm(hidden)]; with native norms written straight into
+        the two halves (no concatenation)."""
+        first, second = self.input_layernorm, self.hidden_norm
+        if not (first.native and native_layer.can_run_norm(embeds, first.weight)
+                and native_layer.can_run_norm(hidden, second.weight)):
+            return torch.cat([first(embeds), second(hidden)], dim=-1)
+        width = embeds.shape[1]
+        x = embeds.new_empty(embeds.shape[0], 2 * width)
+        native_layer.rms_norm(embeds, first.weight, first.eps, out=x[:, :width])
+        native_layer.rms_norm(hidden, second.weight, second.eps, out=x[:, width:])
+        return x
 
 
 class Eagle3Head(DraftHead):

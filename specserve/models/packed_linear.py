@@ -208,6 +208,11 @@ def integer_quantization(model: nn.Module, quantization: str | None) -> str | No
     return quantization
 
 
+def runs_integer(model: nn.Module) -> bool:
+    """Whether any of ``model``'s linears runs the integer kernels (after ``pack_linears_for_cpu``)."""
+    return any(isinstance(m, Linear) and m.int_panels is not None for m in model.modules())
+
+
 def _use_skinny(module: Linear) -> bool:
     """Route few-row inputs (bfloat16 without oneDNN kernels: all inputs) to the skinny kernel."""
     weight = module.weight

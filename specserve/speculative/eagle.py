@@ -86,6 +86,8 @@ class EagleProposer(MirroredDraftProposer):
     # ---- drafting -----------------------------------------------------------------
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
         root_hidden, root_logits = self._catch_up(engine, items)
+        if self.topk == 1:
+            return self._propose_chains(engine, items, max_nodes, root_hidden, root_logits)
         pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk, self.token_map)
         if self.num_steps > 1:
             pool = self._grow(engine, items, pool, frontier, root_hidden)
@@ -94,6 +96,31 @@ class EagleProposer(MirroredDraftProposer):
         for item in items:
             self._mark(item.new_slots, False)          # the target writes tree nodes there
         return [truncate_tree(DraftTree(tokens[b], parents[b]), cap) for b, cap in enumerate(max_nodes)]
+
+    def _propose_chains(self, engine, items: list, max_nodes: list[int], root_hidden: Tensor,
+                        root_logits: Tensor) -> list[DraftTree]:
+        """K == 1: each step's most likely token; the tree is the chain's first N - 1 tokens
+        (what ``dt.rerank`` picks from a chain, whose scores only fall), without the scores."""
+        chain = [self._draft_ids(root_logits)]
+        hidden, paths = root_hidden, [[[]] for _ in items]
+        for step in range(1, self.num_steps):
+            tokens = [[t] for t in chain[-1].tolist()]
+            out, logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
+            chain.append(self._draft_ids(logits))
+            hidden = out
+            paths = [[path[0] + [self._scratch(b, step, 0)]] for b, path in enumerate(paths)]
+        length = min(self.params.num_draft_tokens - 1, self.num_steps)
+        chains = torch.stack(chain[:length], dim=1).cpu()                            # [bs, length]
+        parents = torch.arange(-1, length)
+        for item in items:
+            self._mark(item.new_slots, False)          # the target writes tree nodes there
+        return [truncate_tree(DraftTree(torch.cat([torch.tensor(tail_ids(item.req, 1)), chains[b]]), parents), cap)
+                for b, (item, cap) in enumerate(zip(items, max_nodes))]
+
+    def _draft_ids(self, logits: Tensor) -> Tensor:
+        """[bs] target ids of each row's most likely draft token."""
+        ids = logits.argmax(dim=-1)
+        return ids if self.token_map is None else self.token_map[ids]
 
     def _catch_up(self, engine, items: list) -> tuple[Tensor, Tensor]:
         """Extend every request's draft over its pending entries. Returns (output hidden, logits)

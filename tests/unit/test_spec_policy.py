@@ -238,3 +238,20 @@ def test_tree_size_follows_acceptance_where_verification_is_compute_bound():
     flat = SpecPolicy(CostCurve([1, 16], [10.0, 10.0]), lambda k: 0.0, num_draft_tokens=12)
     assert flat.preferred_nodes(_state(0.3), 12, 1, chain_depth) == 12
     assert steep.preferred_nodes(RequestPolicyState(), 12, 1, chain_depth) == 12   # no history: the cap
+
+
+def test_step_cost_learns_the_overhead_of_speculative_steps():
+    """One request whose speculative steps cost 12 ms more than the curve says: the policy learns
+    it and stops speculating where the tokens no longer cover it."""
+    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    states = _states(1, 0.6)
+    assert policy.select(states, [4], [3]) == [4]                        # 2.18 tokens / 20 ms
+    for _ in range(100):
+        policy.observe_step([4], LINEAR(4) + 12.0)
+    assert abs(policy.cost.overhead - 12.0) < 0.01
+    assert abs(policy.cost(1, 4, 4, 1) - (LINEAR(4) + 12.0)) < 0.01
+    assert policy.cost(1, 1, 1, 0) == LINEAR(1)                          # plain steps keep no overhead
+    assert policy.select(states, [4], [3]) == [1]                        # 2.18 tokens / 32 ms < 1 / 10 ms
+    for _ in range(100):
+        policy.observe_step([12, 1], LINEAR(13) + 12.0 + 11 * 0.5)      # padded: the rest is padding
+    assert abs(policy.cost.pad - 0.5) < 0.01
