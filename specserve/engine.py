@@ -18,7 +18,7 @@ from specserve.kernels import skinny
 from specserve.models.attention import KVCache
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.openmp_pool import release_thread_team
-from specserve.runner.sampler import SamplingBatch, compute_logprobs, sample
+from specserve.runner.sampler import SamplingBatch, argmax_rows, compute_logprobs, is_plain_greedy, sample
 from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.tokenizer import TextStreamer
 
@@ -197,8 +197,11 @@ class LLMEngine:
         if not reqs:
             return {}
         logits = _ban_stop_tokens_before_min_new_tokens(reqs, logits)
-        sampling = SamplingBatch.from_requests(reqs, logits.device, self.model_config.vocab_size)
-        tokens = sample(logits, sampling).tolist()
+        if is_plain_greedy(reqs):
+            tokens = argmax_rows(logits).tolist()
+        else:
+            tokens = sample(logits, SamplingBatch.from_requests(reqs, logits.device,
+                                                                self.model_config.vocab_size)).tolist()
         results = {req.rid: TokenResult([tok]) for req, tok in zip(reqs, tokens)}
         self._attach_logprobs(reqs, logits, tokens, results)
         return results

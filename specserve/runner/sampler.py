@@ -27,7 +27,7 @@ depend only on its seed and its logits, never on the other rows in the batch.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -378,6 +378,12 @@ def argmax_rows(values: Tensor) -> Tensor:
         return values.argmax(dim=-1)
     array = (values if values.dtype == torch.float32 else values.float()).numpy()
     return torch.from_numpy(array.argmax(axis=-1).astype("int64", copy=False))
+
+
+def is_plain_greedy(requests: Iterable[Request]) -> bool:
+    """Every request greedy without penalties: its token is its logits' argmax (``sample`` gives
+    the same), so no ``SamplingBatch`` is needed (building one costs ~40 us a decode step)."""
+    return all(req.sampling.is_greedy and not req.sampling.has_penalties for req in requests)
 
 
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from specserve.core import Request, TokenResult
 from specserve.runner.model_runner import ExtendSpec
-from specserve.runner.sampler import SamplingBatch, compute_logprobs, processed_probs, sample
+from specserve.runner.sampler import (SamplingBatch, argmax_rows, compute_logprobs, is_plain_greedy,
+                                      processed_probs, sample)
 from specserve.speculative.params import SpecParams
 from specserve.speculative.state import spec_state
 from specserve.speculative.tree import DraftTree, depths, tree_mask
@@ -87,8 +88,13 @@ def accept_trees(engine, items: list, trees: list[DraftTree], logits: Tensor,
     results: list[AcceptResult | None] = [None] * len(items)
     vocab = engine.model_config.vocab_size
     if groups["greedy"]:
-        rows, batch, idx = _group(items, trees, groups["greedy"], logits, offsets, vocab)
-        targets = torch.split(sample(rows, batch).cpu(), [trees[i].num_nodes for i in idx])
+        idx = groups["greedy"]
+        if is_plain_greedy(items[i].req for i in idx):
+            tokens = argmax_rows(_rows(items, idx, logits, offsets))
+        else:
+            rows, batch, idx = _group(items, trees, idx, logits, offsets, vocab)
+            tokens = sample(rows, batch)
+        targets = torch.split(tokens.cpu(), [trees[i].num_nodes for i in idx])
         for i, target in zip(idx, targets):
             results[i] = greedy_accept(trees[i], target)
     if groups["root"]:
@@ -115,15 +121,19 @@ def _group(items, trees, idx: list[int], logits: Tensor, offsets: list[int], voc
     """(logit rows [r, V], SamplingBatch over them, idx) for the items ``idx``."""
     reqs = [items[i].req for i in idx]
     counts = [trees[i].num_nodes for i in idx]
-    if len(idx) == len(items):
-        rows = logits
-    else:
-        row_ids = [r for i in idx for r in range(offsets[i], offsets[i + 1])]
-        rows = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+    rows = _rows(items, idx, logits, offsets)
     drafts = None
     if any(req.sampling.has_penalties for req in reqs):
         drafts = [path for i in idx for path in _ancestor_tokens(trees[i])]
     return rows, SamplingBatch.from_requests(reqs, logits.device, vocab, counts, drafts), idx
+
+
+def _rows(items, idx: list[int], logits: Tensor, offsets: list[int]) -> Tensor:
+    """The logit rows [r, V] of the items ``idx`` (their trees' nodes, in order)."""
+    if len(idx) == len(items):
+        return logits
+    row_ids = [r for i in idx for r in range(offsets[i], offsets[i + 1])]
+    return logits.index_select(0, torch.tensor(row_ids, device=logits.device))
 
 
 def _ancestor_tokens(tree: DraftTree) -> list[list[int]]:

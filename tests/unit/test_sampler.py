@@ -16,6 +16,7 @@ from specserve.runner.sampler import (
     apply_penalties,
     argmax_rows,
     compute_logprobs,
+    is_plain_greedy,
     processed_probs,
     sample,
 )
@@ -371,3 +372,17 @@ def test_logprobs_are_log_softmax_gathers():
     chosen0, ids0, values0 = compute_logprobs(logits, tokens, top_n=0)
     assert ids0.shape == (4, 0) and values0.shape == (4, 0) and torch.equal(chosen0, chosen)
     assert math.isclose(float(torch.exp(reference[0]).sum()), 1.0, rel_tol=1e-5)
+
+
+def test_plain_greedy_requests_skip_the_batch_and_get_its_tokens():
+    """Greedy requests without penalties take the logits' argmax without a SamplingBatch
+    (``is_plain_greedy``): the tokens ``sample`` gives them through one; a penalty or a sampled
+    request needs the batch."""
+    greedy = [Request(f"g{i}", [1, 2, i], SamplingParams(temperature=0.0)) for i in range(3)]
+    top1 = Request("k", [5], SamplingParams(temperature=0.8, top_k=1))         # greedy by top_k
+    assert is_plain_greedy(greedy + [top1])
+    logits = random_logits(4, seed=7)
+    batch = SamplingBatch.from_requests(greedy + [top1], "cpu", VOCAB)
+    assert torch.equal(argmax_rows(logits), sample(logits, batch))
+    assert not is_plain_greedy(greedy + [Request("p", [1], SamplingParams(temperature=0.0, repetition_penalty=1.3))])
+    assert not is_plain_greedy(greedy + [Request("s", [1], SamplingParams(temperature=0.7))])
