@@ -23,6 +23,8 @@ def build_cpu_metadata(prefix_lens: list[int], extend_lens: list[int], table: np
     """``attention.build_metadata`` for the native kernel: ``table`` [rows, width] int64 holds
     each row's slots in token order, ``rows`` the table row of each request."""
     prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
+    if pad_slot is not None and all(n == 1 for n in extend_lens) and all(m is None for m in tree_masks):
+        return _decode_metadata(prefix + 1, table, rows, out_cache_loc, num_kv_groups, pad_slot)
     total = prefix + extend
     max_q, max_len = int(extend.max()), int(total.max())
     row_invariant = pad_slot is not None and max_q <= ROW_INVARIANT_MAX_QUERY
@@ -44,6 +46,19 @@ def build_cpu_metadata(prefix_lens: list[int], extend_lens: list[int], table: np
     return AttentionMetadata(out_cache_loc, torch.from_numpy(kv_indices), None, query_index, output_index,
                              len(rows), max_q, row_invariant, query_mask=torch.from_numpy(query_mask),
                              row_batch=torch.from_numpy(row_batch), row_query=torch.from_numpy(row_query),
+                             num_kv_groups=num_kv_groups)
+
+
+def _decode_metadata(total: np.ndarray, table: np.ndarray, rows: list[int], out_cache_loc: torch.Tensor,
+                     num_kv_groups: int, pad_slot: int) -> AttentionMetadata:
+    """The metadata of a decode step (one new token a request, no tree): what the general
+    path builds, in a third of its numpy calls (~70 -> ~25 us for one request)."""
+    kv_indices, num_keys = _padded_key_slots(table, rows, total, pad_slot, int(total.max()))
+    query_mask = (np.arange(num_keys)[None, :] < total[:, None])[:, None, :]             # [B, 1, L]
+    row_batch = np.arange(len(rows), dtype=np.int32)
+    return AttentionMetadata(out_cache_loc, torch.from_numpy(kv_indices), None, None, None, len(rows), 1, True,
+                             query_mask=torch.from_numpy(query_mask), row_batch=torch.from_numpy(row_batch),
+                             row_query=torch.from_numpy(np.zeros(len(rows), dtype=np.int32)),
                              num_kv_groups=num_kv_groups)
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from specserve.core import Request
 from specserve.runner.head_runner import HeadRunner
 from specserve.runner.model_runner import ExtendSpec
+from specserve.runner.sampler import argmax_rows
 from specserve.speculative import dynamic_tree as dt
 from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
@@ -119,8 +120,8 @@ class EagleProposer(MirroredDraftProposer):
 
     def _draft_ids(self, logits: Tensor) -> Tensor:
         """[bs] target ids of each row's most likely draft token."""
-        ids = logits.argmax(dim=-1)
-        return ids if self.token_map is None else self.token_map[ids]
+        ids = argmax_rows(logits)
+        return ids if self.token_map is None else self.token_map.index_select(0, ids)
 
     def _catch_up(self, engine, items: list) -> tuple[Tensor, Tensor]:
         """Extend every request's draft over its pending entries. Returns (output hidden, logits)
