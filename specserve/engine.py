@@ -18,7 +18,7 @@ from specserve.kernels import skinny
 from specserve.models.attention import KVCache
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.openmp_pool import release_thread_team
-from specserve.runner.sampler import SamplingBatch, argmax_rows, compute_logprobs, is_plain_greedy, sample
+from specserve.runner.sampler import compute_logprobs, sample_requests
 from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.tokenizer import TextStreamer
 
@@ -197,11 +197,7 @@ class LLMEngine:
         if not reqs:
             return {}
         logits = _ban_stop_tokens_before_min_new_tokens(reqs, logits)
-        if is_plain_greedy(reqs):
-            tokens = argmax_rows(logits).tolist()
-        else:
-            tokens = sample(logits, SamplingBatch.from_requests(reqs, logits.device,
-                                                                self.model_config.vocab_size)).tolist()
+        tokens = sample_requests(logits, self.model_config.vocab_size, reqs).tolist()
         results = {req.rid: TokenResult([tok]) for req, tok in zip(reqs, tokens)}
         self._attach_logprobs(reqs, logits, tokens, results)
         return results

@@ -386,6 +386,17 @@ def is_plain_greedy(requests: Iterable[Request]) -> bool:
     return all(req.sampling.is_greedy and not req.sampling.has_penalties for req in requests)
 
 
+def sample_requests(logits: Tensor, vocab_size: int, requests: Sequence[Request],
+                    rows_per_request: Sequence[int] | None = None,
+                    draft_ids_per_row: Sequence[Sequence[int]] | None = None) -> Tensor:
+    """``sample`` over ``SamplingBatch.from_requests`` of these arguments; plain-greedy requests
+    (``is_plain_greedy``) take the logits' argmax without building the batch: the same tokens."""
+    if is_plain_greedy(requests):
+        return argmax_rows(logits)
+    return sample(logits, SamplingBatch.from_requests(requests, logits.device, vocab_size, rows_per_request,
+                                                      draft_ids_per_row))
+
+
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Next tokens ``[rows]`` int64: greedy rows argmax, others a draw from ``processed_probs``."""
     penalized = apply_penalties(logits, batch.penalties)  # [rows, vocab]

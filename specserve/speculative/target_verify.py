@@ -24,8 +24,7 @@ from torch import Tensor
 
 from specserve.core import Request, TokenResult
 from specserve.runner.model_runner import ExtendSpec
-from specserve.runner.sampler import (SamplingBatch, argmax_rows, compute_logprobs, is_plain_greedy,
-                                      processed_probs, sample)
+from specserve.runner.sampler import SamplingBatch, compute_logprobs, processed_probs, sample_requests
 from specserve.speculative.params import SpecParams
 from specserve.speculative.state import spec_state
 from specserve.speculative.tree import DraftTree, depths, tree_mask
@@ -89,21 +88,20 @@ def accept_trees(engine, items: list, trees: list[DraftTree], logits: Tensor,
     vocab = engine.model_config.vocab_size
     if groups["greedy"]:
         idx = groups["greedy"]
-        if is_plain_greedy(items[i].req for i in idx):
-            tokens = argmax_rows(_rows(items, idx, logits, offsets))
-        else:
-            rows, batch, idx = _group(items, trees, idx, logits, offsets, vocab)
-            tokens = sample(rows, batch)
-        targets = torch.split(tokens.cpu(), [trees[i].num_nodes for i in idx])
+        rows, reqs, counts, drafts = _group(items, trees, idx, logits, offsets)
+        targets = torch.split(sample_requests(rows, vocab, reqs, counts, drafts).cpu(), counts)
         for i, target in zip(idx, targets):
             results[i] = greedy_accept(trees[i], target)
     if groups["root"]:
-        rows, batch, idx = _group(items, trees, groups["root"], logits, offsets, vocab)
-        for i, token in zip(idx, sample(rows, batch).tolist()):
+        idx = groups["root"]
+        rows, reqs, counts, drafts = _group(items, trees, idx, logits, offsets)
+        for i, token in zip(idx, sample_requests(rows, vocab, reqs, counts, drafts).tolist()):
             results[i] = AcceptResult([0], int(token))
     if groups["tree"]:
-        rows, batch, idx = _group(items, trees, groups["tree"], logits, offsets, vocab)
-        probs = torch.split(processed_probs(rows, batch).cpu(), [trees[i].num_nodes for i in idx])
+        idx = groups["tree"]
+        rows, reqs, counts, drafts = _group(items, trees, idx, logits, offsets)
+        batch = SamplingBatch.from_requests(reqs, logits.device, vocab, counts, drafts)
+        probs = torch.split(processed_probs(rows, batch).cpu(), counts)
         for i, p in zip(idx, probs):
             results[i] = sample_accept(trees[i], p, _cpu_generator(items[i].req),
                                        params.threshold_single, params.threshold_acc)
@@ -117,23 +115,20 @@ def _offsets(trees: list[DraftTree]) -> list[int]:
     return offsets
 
 
-def _group(items, trees, idx: list[int], logits: Tensor, offsets: list[int], vocab: int):
-    """(logit rows [r, V], SamplingBatch over them, idx) for the items ``idx``."""
+def _group(items, trees, idx: list[int], logits: Tensor, offsets: list[int]):
+    """For the items ``idx``: their logit rows [r, V], and the requests, rows per request and
+    draft ancestors per row (None without penalties) that ``SamplingBatch.from_requests`` takes."""
     reqs = [items[i].req for i in idx]
     counts = [trees[i].num_nodes for i in idx]
-    rows = _rows(items, idx, logits, offsets)
+    if len(idx) == len(items):
+        rows = logits
+    else:
+        row_ids = [r for i in idx for r in range(offsets[i], offsets[i + 1])]
+        rows = logits.index_select(0, torch.tensor(row_ids, device=logits.device))
     drafts = None
     if any(req.sampling.has_penalties for req in reqs):
         drafts = [path for i in idx for path in _ancestor_tokens(trees[i])]
-    return rows, SamplingBatch.from_requests(reqs, logits.device, vocab, counts, drafts), idx
-
-
-def _rows(items, idx: list[int], logits: Tensor, offsets: list[int]) -> Tensor:
-    """The logit rows [r, V] of the items ``idx`` (their trees' nodes, in order)."""
-    if len(idx) == len(items):
-        return logits
-    row_ids = [r for i in idx for r in range(offsets[i], offsets[i + 1])]
-    return logits.index_select(0, torch.tensor(row_ids, device=logits.device))
+    return rows, reqs, counts, drafts
 
 
 def _ancestor_tokens(tree: DraftTree) -> list[list[int]]:

@@ -19,6 +19,7 @@ from specserve.runner.sampler import (
     is_plain_greedy,
     processed_probs,
     sample,
+    sample_requests,
 )
 
 VOCAB = 64
@@ -376,7 +377,7 @@ def test_logprobs_are_log_softmax_gathers():
 
 def test_plain_greedy_requests_skip_the_batch_and_get_its_tokens():
     """Greedy requests without penalties take the logits' argmax without a SamplingBatch
-    (``is_plain_greedy``): the tokens ``sample`` gives them through one; a penalty or a sampled
+    (``is_plain_greedy``, ``sample_requests``): the tokens ``sample`` gives them through one; a penalty or a sampled
     request needs the batch."""
     greedy = [Request(f"g{i}", [1, 2, i], SamplingParams(temperature=0.0)) for i in range(3)]
     top1 = Request("k", [5], SamplingParams(temperature=0.8, top_k=1))         # greedy by top_k
@@ -384,5 +385,6 @@ def test_plain_greedy_requests_skip_the_batch_and_get_its_tokens():
     logits = random_logits(4, seed=7)
     batch = SamplingBatch.from_requests(greedy + [top1], "cpu", VOCAB)
     assert torch.equal(argmax_rows(logits), sample(logits, batch))
+    assert torch.equal(sample_requests(logits, VOCAB, greedy + [top1]), sample(logits, batch))
     assert not is_plain_greedy(greedy + [Request("p", [1], SamplingParams(temperature=0.0, repetition_penalty=1.3))])
     assert not is_plain_greedy(greedy + [Request("s", [1], SamplingParams(temperature=0.7))])
