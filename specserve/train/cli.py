@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("regenerate")
     g.add_argument("--num-prompts", type=int, default=None, help="training prompts to answer (default all)")
     g.add_argument("--prompt-dir", default=None, help="training prompt folder (default ../shared/data/train)")
+    g.add_argument("--first-prompt", type=int, default=0,
+                   help="skip the prompts before this index of the fixed order (answered in an earlier "
+                        "run whose answers are not here); the answers keep their indices")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--regen-dtype", default="auto", help="target dtype while regenerating")
     g.add_argument("--regen-quantization", default="gguf", choices=("gguf", "none"),
@@ -146,7 +149,8 @@ def run_regenerate(args) -> None:
     engine = LLMEngine(ServerArgs.from_kwargs(model_path=args.model_path, dtype=args.regen_dtype,
                                               quantization=quantization, max_running_requests=args.regen_batch,
                                               log_level="warning"))
-    written = regenerate(engine, prompts, answers_path(args), max_new_tokens=args.max_new_tokens)
+    written = regenerate(engine, prompts, answers_path(args), max_new_tokens=args.max_new_tokens,
+                         first_prompt=args.first_prompt)
     print(f"regenerate: {written} new answers in {answers_path(args)}")
 
 
@@ -276,6 +280,8 @@ def check_args(args) -> list[str]:
         raise UsageError("--out is required for --stage all (the exported head directory)")
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be >= 1")
+    if args.first_prompt < 0:
+        raise UsageError("--first-prompt must be >= 0")
     return stages
 
 

@@ -31,11 +31,13 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
 
 def regenerate(engine: LLMEngine, prompts: list[tuple[str, str]], out_path: Path, *,
                max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
-               max_prompt_tokens: int = 512) -> int:
-    """Answer ``prompts`` ([(source, user message)]) with the target; returns answers written."""
+               max_prompt_tokens: int = 512, first_prompt: int = 0) -> int:
+    """Answer ``prompts`` ([(source, user message)]) with the target, from index ``first_prompt``
+    on (the earlier ones: answered elsewhere, e.g. by an earlier session on another machine);
+    returns answers written."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     skip = done_indices(out_path)
-    todo = [(i, s, t) for i, (s, t) in enumerate(prompts) if i not in skip]
+    todo = [(i, s, t) for i, (s, t) in enumerate(prompts) if i >= first_prompt and i not in skip]
     width = engine.server_args.max_running_requests or 32
     pending: dict[str, tuple[int, str, list[int]]] = {}
     outputs: dict[str, list[int]] = {}
