@@ -243,7 +243,7 @@ class SpecWorker:
                     for state, cap in zip(states, caps)]
             depth_caps = [self.proposer.max_depth(cap) for cap in caps]
         if self.proposer.is_cheap:                   # the policy sees the real tree sizes
-            trees = self._propose_cheap(engine, items, caps, states, can_pick)
+            trees = self._propose_cheap(engine, items, caps, depth_caps, states, can_pick)
             sizes = self.policy.select(states, [t.num_nodes for t in trees], [tree_depth(t) for t in trees])
             return [truncate_tree(t, n) if n > 1 or t.is_root_only else root_only(t.root_token)
                     for t, n in zip(trees, sizes)]
@@ -256,15 +256,18 @@ class SpecWorker:
             self.proposer.on_skipped(engine, skipped)
         return [next(drafted) if n > 1 else root_only(tail_ids(item.req, 1)[0]) for item, n in zip(items, sizes)]
 
-    def _propose_cheap(self, engine, items: list, caps: list[int], states: list,
+    def _propose_cheap(self, engine, items: list, caps: list[int], depth_caps: list[int], states: list,
                        can_pick: bool) -> list[DraftTree]:
         """Every request's tree, unless no tree within the caps could be picked (``can_pick``
         False: a busy server): then only the trees ``SpecPolicy._probe`` may look at, in its
-        order, up to the first with more than the root; the others stay root-only (the
-        proposer catches up later). The policy's choice is the same either way."""
+        order, up to the first with more than the root, and none where no probe can pass
+        (``may_probe``); the others stay root-only (the proposer catches up later). The
+        policy's choice is the same either way."""
         if not self.proposer.catches_up_lazily or can_pick:
             return self.proposer.propose(engine, items, caps)
         trees = [root_only(tail_ids(item.req, 1)[0]) for item in items]
+        if not self.policy.may_probe(states, caps, depth_caps):
+            return trees
         for i in self.policy.probe_order(states, caps):
             trees[i] = self.proposer.propose(engine, [items[i]], [caps[i]])[0]
             if not trees[i].is_root_only:

@@ -304,6 +304,41 @@ class SpecPolicy:
                 return True
         return False
 
+    def may_probe(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int]) -> bool:
+        """Whether ``select`` could let a request probe at a step where nobody else may speculate
+        (``may_pick_any`` False), whatever trees of at most ``nodes[i]`` nodes and ``depths[i]``
+        depth the proposer returns. An upper bound on ``_probe``'s test: the credit after this
+        step's accrual covers the cheapest probe (2 nodes), and for some due request and tree
+        size n <= nodes[i], the best case of an n-node tree (depth <= n - 1, fully accepted)
+        beats plain decoding. False: a cheap proposer need not match anything this step (on a
+        busy server, most steps)."""
+        if self.is_always:
+            return True
+        due = self.probe_order(states, nodes)
+        if not due:
+            return False
+        bs = len(states)
+        step_cost = self.cost(bs, bs, 1, 0)
+        low, high = PROBE_BUDGET
+        picked_share = self.picked_share * (1.0 - PICKED_EMA_WEIGHT)        # select's update with nobody picked
+        credit = self.probe_credit + (low + (high - low) * self.probe_success * picked_share) * step_cost
+        if self.cost(bs, bs + 1, 2, 1) - step_cost > credit:
+            return False
+        threshold = (1.0 + MARGIN) * self._plain_rate(bs)
+        return any(self._best_probe_case(bs, cap, depth) > threshold
+                   for cap, depth in {(nodes[i], depths[i]) for i in due})
+
+    def _best_probe_case(self, bs: int, max_nodes: int, max_depth: int) -> float:
+        """The highest ``_probe`` best case over trees of 2..max_nodes nodes and depth <= max_depth."""
+        return max((bs + self._hopeful_alpha(min(n, PROBE_NODES), min(n - 1, max_depth)) - 1.0)
+                   / self.cost(bs, bs + n - 1, n, 1) for n in range(2, max_nodes + 1))
+
+    def _hopeful_alpha(self, probe_nodes: int, depth: int) -> float:
+        """Calibrated expected tokens of a depth-``depth`` tree for a request whose only history is
+        one fully accepted probe of ``probe_nodes`` nodes (all a probe can show)."""
+        hopeful = RequestPolicyState(accepted=float(probe_nodes - 1))
+        return 1.0 + self.calibration * (expected_tokens(self.rate(hopeful), depth) - 1.0)
+
     @staticmethod
     def probe_order(states: list[RequestPolicyState], nodes: list[int]) -> list[int]:
         """Requests a step where nobody else speculates may probe, in ``_probe``'s order of
@@ -341,8 +376,7 @@ class SpecPolicy:
             return
         i = due[0]
         full, size = nodes[i], min(nodes[i], PROBE_NODES)
-        hopeful = RequestPolicyState(accepted=float(size - 1))      # all one probe can show
-        alpha = 1.0 + self.calibration * (expected_tokens(self.rate(hopeful), depths[i]) - 1.0)
+        alpha = self._hopeful_alpha(size, depths[i])
         best_case = (bs + alpha - 1.0) / self.cost(bs, width + full - 1, max(max_q, full), num_drafting + 1)
         extra = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1) - step_cost
         self.probe_credit = min(self.probe_credit, PROBE_CREDIT_PROBES * extra)

@@ -255,3 +255,58 @@ def test_step_cost_learns_the_overhead_of_speculative_steps():
     for _ in range(100):
         policy.observe_step([12, 1], LINEAR(13) + 12.0 + 11 * 0.5)      # padded: the rest is padding
     assert abs(policy.cost.pad - 0.5) < 0.01
+
+
+def test_may_probe_bounds_the_probe():
+    """Where no request may be picked and ``may_probe`` says no, ``select`` leaves every request
+    plain on any trees within the caps (so a cheap proposer need not match them); both answers
+    occur, and the policy state it leaves is the one ``select`` leaves on root-only trees."""
+    import copy
+    import random
+
+    rng = random.Random(1)
+    answers = {True: 0, False: 0}
+    for trial in range(400):
+        bs = rng.choice([1, 2, 4, 8, 16, 32])
+        curve = rng.choice([FLAT_THEN_LINEAR, LINEAR])
+        draft_seconds = rng.choice([0.0, 5.0])
+        policy = SpecPolicy(curve, lambda k: draft_seconds, num_draft_tokens=12)
+        policy.probe_credit = rng.choice([0.0, 0.5, 5.0, float("inf")])
+        policy.probe_success = rng.random()
+        states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) if rng.random() < 0.5
+                  else RequestPolicyState(backoff=rng.choice([0, 4])) for _ in range(bs)]
+        for s in states:
+            s.num_skipped = rng.randrange(8)
+        caps = [rng.choice([1, 4, 12]) for _ in range(bs)]
+        depth_caps = [c - 1 for c in caps]
+        if policy.may_pick_any(states, caps, depth_caps):
+            continue
+        may = policy.may_probe(states, caps, depth_caps)
+        answers[may] += 1
+        if may:
+            continue
+        nodes = [rng.randint(1, c) for c in caps]
+        depths = [rng.randint(1, n - 1) if n > 1 else 0 for n in nodes]
+        assert copy.deepcopy(policy).select(copy.deepcopy(states), nodes, depths) == [1] * bs, trial
+    assert answers[True] > 20 and answers[False] > 20, answers
+
+
+def test_busy_server_probes_rarely_and_says_so_in_advance():
+    """16 new requests on a curve where a fully accepted deep tree would pay: the first probe is
+    taken, it fails, and from then on ``may_probe`` tells the proposer in advance that no probe
+    will be (select agrees: the root-only trees it then gets are what it would pick)."""
+    policy = SpecPolicy(CostCurve([1, 256, 1024], [10.0, 16.0, 60.0]), lambda k: 0.0, num_draft_tokens=12)
+    states = [RequestPolicyState(backoff=0) for _ in range(16)]
+    gated = probes = 0
+    for _ in range(500):
+        assert not policy.may_pick_any(states, [12] * 16, [11] * 16)
+        if not policy.may_probe(states, [12] * 16, [11] * 16):
+            gated += 1
+            assert policy.select(states, [1] * 16, [0] * 16) == [1] * 16
+            continue
+        sizes = policy.select(states, [12] * 16, [11] * 16)
+        for state, n in zip(states, sizes):
+            if n > 1:
+                probes += 1
+                policy.observe(state, 0, 3)
+    assert probes >= 1 and gated > 400, (probes, gated)
