@@ -2,3 +2,4 @@
 #include "skinny_linear.c"
 #include "paged_attention.c"
 #include "decoder_layer.c"
+#include "ngram_trie.c"

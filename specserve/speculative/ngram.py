@@ -17,7 +17,7 @@ import time
 
 from specserve.core import Request
 from specserve.speculative.base import Proposer, ProposerContext
-from specserve.speculative.ngram_cache import NgramCache
+from specserve.speculative.ngram_native import make_ngram_cache
 from specserve.speculative.state import spec_state, tail_ids
 from specserve.speculative.tree import DraftTree
 
@@ -30,7 +30,7 @@ class NgramProposer(Proposer):
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
-        self.cache = NgramCache.from_server_args(ctx.server_args)
+        self.cache = make_ngram_cache(ctx.server_args)       # native where the CPU kernels load
         self.window = ctx.server_args.speculative_ngram_max_match_window_size
         self.seconds_per_request = 0.0
 
