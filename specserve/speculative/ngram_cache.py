@@ -127,8 +127,7 @@ class NgramCache:
         max_depth-1 .. 1): pass them as ``prev_keys`` to the next call on the same sequence (or
         as ``match``'s ``suffix_keys``) and they are not hashed again."""
         total_len = len(tokens_so_far)
-        if not 0 <= num_new <= total_len:
-            raise ValueError(f"num_new={num_new} out of range for {total_len} tokens")
+        _check_num_new(num_new, total_len)
         start = total_len - num_new
         self._clock += 1
         # keys of the n-grams ending just before `start`, longest first (lengths max_depth-1 .. 1)
@@ -187,11 +186,7 @@ class NgramCache:
               match_type: str | None = None, suffix_keys: list[int] | None = None) -> DraftTree:
         """Draft tree continuing ``context_tail`` (root = its last token); root-only if no match.
         ``suffix_keys``: ``insert_incremental``'s keys for a sequence ending with this tail."""
-        if not context_tail:
-            raise ValueError("match needs at least one context token")
-        max_nodes = num_draft_tokens or self.num_draft_tokens
-        kind = (match_type or self.match_type).upper()
-        _check_match_type(kind)
+        max_nodes, kind = self._match_args(context_tail, num_draft_tokens, match_type)
         root_token = context_tail[-1]
         found = self._find_window(context_tail, suffix_keys)
         if found is None or max_nodes == 1:
@@ -202,6 +197,15 @@ class NgramCache:
         else:
             tokens, parents = self._build_prob(rec, max_nodes)
         return DraftTree.from_lists(tokens, parents)
+
+    def _match_args(self, context_tail: Sequence[int], num_draft_tokens: int | None,
+                    match_type: str | None) -> tuple[int, str]:
+        """``match``'s checked arguments: (tree size cap, "BFS" or "PROB")."""
+        if not context_tail:
+            raise ValueError("match needs at least one context token")
+        kind = (match_type or self.match_type).upper()
+        _check_match_type(kind)
+        return num_draft_tokens or self.num_draft_tokens, kind
 
     def _find_window(self, context_tail: Sequence[int], suffix_keys: list[int] | None = None
                      ) -> tuple[list, int] | None:
@@ -284,6 +288,11 @@ class NgramCache:
             self._nodes.move_to_end(key)
             push_children(rec, len(tokens) - 1, -neg_score, depth)
         return tokens, parents
+
+
+def _check_num_new(num_new: int, total_len: int) -> None:
+    if not 0 <= num_new <= total_len:
+        raise ValueError(f"num_new={num_new} out of range for {total_len} tokens")
 
 
 def _check_match_type(match_type: str) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from specserve.kernels import build
-from specserve.speculative.ngram_cache import NgramCache, _check_match_type
+from specserve.speculative.ngram_cache import NgramCache, _check_num_new
 from specserve.speculative.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ class NativeNgramCache(NgramCache):
     def insert_incremental(self, tokens_so_far: Sequence[int], num_new: int,
                            prev_keys: list[int] | None = None) -> None:
         total = len(tokens_so_far)
-        if not 0 <= num_new <= total:
-            raise ValueError(f"num_new={num_new} out of range for {total} tokens")
+        _check_num_new(num_new, total)
         ids = _ids(tokens_so_far[max(total - num_new - self.max_depth, 0):])
         if self._lib.ngram_insert(self._handle, ids, len(ids), num_new) != 0:
             raise MemoryError("ngram_insert ran out of memory")
@@ -71,11 +70,7 @@ class NativeNgramCache(NgramCache):
 
     def match(self, context_tail: Sequence[int], num_draft_tokens: int | None = None,
               match_type: str | None = None, suffix_keys: list[int] | None = None) -> DraftTree:
-        if not context_tail:
-            raise ValueError("match needs at least one context token")
-        max_nodes = num_draft_tokens or self.num_draft_tokens
-        kind = (match_type or self.match_type).upper()
-        _check_match_type(kind)
+        max_nodes, kind = self._match_args(context_tail, num_draft_tokens, match_type)
         tail = _ids(context_tail[-self.max_match_window_size:])
         tokens, parents = np.empty(max_nodes, np.int32), np.empty(max_nodes, np.int32)
         n = self._lib.ngram_match(self._handle, tail, len(tail), max_nodes, int(kind == "PROB"), tokens, parents)

@@ -319,14 +319,19 @@ class SpecPolicy:
             return False
         bs = len(states)
         step_cost = self.cost(bs, bs, 1, 0)
-        low, high = PROBE_BUDGET
         picked_share = self.picked_share * (1.0 - PICKED_EMA_WEIGHT)        # select's update with nobody picked
-        credit = self.probe_credit + (low + (high - low) * self.probe_success * picked_share) * step_cost
+        credit = self.probe_credit + self._probe_accrual(step_cost, picked_share)
         if self.cost(bs, bs + 1, 2, 1) - step_cost > credit:
             return False
         threshold = (1.0 + MARGIN) * self._plain_rate(bs)
         return any(self._best_probe_case(bs, cap, depth) > threshold
                    for cap, depth in {(nodes[i], depths[i]) for i in due})
+
+    def _probe_accrual(self, step_cost: float, picked_share: float) -> float:
+        """Probe credit a step of ``step_cost`` seconds adds: PROBE_BUDGET's share of it, from the
+        minimum towards the maximum as probes succeed and the policy picks requests."""
+        low, high = PROBE_BUDGET
+        return (low + (high - low) * self.probe_success * picked_share) * step_cost
 
     def _best_probe_case(self, bs: int, max_nodes: int, max_depth: int) -> float:
         """The highest ``_probe`` best case over trees of 2..max_nodes nodes and depth <= max_depth."""
@@ -369,8 +374,7 @@ class SpecPolicy:
         bs, width, max_q = len(states), sum(sizes), max(sizes)
         num_drafting = sum(n > 1 for n in sizes)
         step_cost = self.cost(bs, width, max_q, num_drafting)
-        low, high = PROBE_BUDGET
-        self.probe_credit += (low + (high - low) * self.probe_success * self.picked_share) * step_cost
+        self.probe_credit += self._probe_accrual(step_cost, self.picked_share)
         due = [i for i in self.probe_order(states, nodes) if sizes[i] == 1]
         if not due:
             return
