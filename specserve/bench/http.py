@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.bench import http_client as hc
+from specserve.bench import llama_peer
 from specserve.bench import prompts as prompt_data
 from specserve.bench import report
 from specserve.bench.serving import (
@@ -288,36 +289,23 @@ def _prefill_forward_seconds(core, ids: list[int]) -> float:
 
 def llama_cpp_peer(args, id_lists) -> dict[str, Any] | None:
     """llama.cpp on the same GGUF, prompt ids and threads, batch 1, greedy, no early stop."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
-    if not str(args.model_path).endswith(".gguf"):
-        return {"skipped": "the model is not a GGUF file"}
+    reason = llama_peer.skip_reason(args.model_path)
+    if reason:
+        return {"skipped": reason}
     import torch
 
     threads = args.threads or torch.get_num_threads()
-    llm = Llama(model_path=str(args.model_path), n_ctx=args.context_length, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
-    _llama_generate(llm, id_lists[0], 8)
+    llm = llama_peer.load(args.model_path, threads, args.context_length)
+    llama_peer.generate(llm, id_lists[0], 8)
     rates = []
     with progress_bar(len(id_lists), "llama.cpp c=1") as bar:
         for ids in id_lists:
             start = time.perf_counter()
-            count = _llama_generate(llm, ids, args.max_new_tokens)
+            count = len(llama_peer.generate(llm, ids, args.max_new_tokens))
             rates.append(count / (time.perf_counter() - start))
             bar.update(1)
     return {"request_tokens_per_s_median": report.median(rates), "threads": threads,
-            "version": getattr(__import__("llama_cpp"), "__version__", None)}
-
-
-def _llama_generate(llm, ids: list[int], max_new_tokens: int) -> int:
-    count = 0
-    for _ in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
-        count += 1
-        if count >= max_new_tokens:
-            break
-    return count
+            "version": llama_peer.version()}
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:

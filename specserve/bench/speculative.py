@@ -5,15 +5,19 @@ One Engine per configuration (plain first), the same engine settings otherwise; 
 down before the next is built. Prompts run category by category (a category = a prompt file).
 Per configuration, per category and overall: generated tokens/s, speedup vs plain, accept
 length (per-request ``spec_accept_length`` weighted by ``spec_verify_ct``), the accept-length
-histogram when the engine reports one, and how many outputs equal plain decoding's.
+histogram when the engine reports one, and how many outputs equal plain decoding's. With ``--llama-cpp``, llama.cpp runs beside them on
+the same GGUF, prompt ids and threads, in the same turns: plain, and with its own speculation by
+prompt lookup (its outputs are compared with llama.cpp's plain ones).
 """
 from __future__ import annotations
 
 import argparse
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.bench import llama_peer
 from specserve.bench import prompts as prompt_data
 from specserve.bench import report
 from specserve.bench import serving
@@ -107,6 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=1, help="requests in flight (default %(default)s)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp (llama-cpp-python) on the same GGUF, prompt ids and threads, in "
+                             "the same turns: plain and with its prompt-lookup speculation (batch 1 only)")
+    parser.add_argument("--llama-lookup-tokens", type=int, default=10,
+                        help="tokens llama.cpp's prompt lookup drafts a step (default %(default)s, its own default)")
 
 
 def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -164,10 +173,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_policy": args.speculative_policy or "auto", "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size, "ignore_eos": args.ignore_eos, "interleaved": True,
         "categories": prompt_data.categories(prompt_list), "num_prompts": len(prompt_list), "configs": []}
+    peers = _load_peers(args)
     entries, engines = _build_engines(args, runs, id_lists)
+    peer_entries = [_new_entry(label, {}, peer=True) for label, _ in peers]
     outputs = [[None] * len(id_lists) for _ in runs]
+    peer_outputs = [[None] * len(id_lists) for _ in peers]
     try:
-        _run_interleaved(args, runs, engines, entries, prompt_list, id_lists, outputs)
+        _run_interleaved(args, engines, entries, prompt_list, id_lists, outputs,
+                         [(llm, entry, out) for (_, llm), entry, out in zip(peers, peer_entries, peer_outputs)])
     finally:
         for engine in engines:
             serving.close_engine(engine)
@@ -175,16 +188,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _finish_entry(entry)
         _compare(entry, out, outputs[0], prompt_list, entries[0])
         result["configs"].append(entry)
+    for entry, out in zip(peer_entries, peer_outputs):
+        _finish_entry(entry)
+        _compare(entry, out, peer_outputs[0], prompt_list, entries[0])   # speed vs ours, outputs vs its plain
+        result["configs"].append(entry)
+    if peers:
+        result["llama_cpp"] = {"version": llama_peer.version(), "lookup_tokens": args.llama_lookup_tokens}
     _print(result)
     return result
+
+
+def _load_peers(args) -> list[tuple[str, Any]]:
+    """[(label, Llama)] for --llama-cpp: plain, then prompt lookup; [] without the flag."""
+    if not args.llama_cpp:
+        return []
+    reason = llama_peer.skip_reason(args.model_path)
+    if reason:
+        raise ValueError(f"--llama-cpp: {reason}")
+    if args.batch_size != 1:
+        raise ValueError("--llama-cpp runs batch 1 only (drop --batch-size)")
+    if args.llama_lookup_tokens < 1:
+        raise ValueError("--llama-lookup-tokens must be >= 1")
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    context = args.context_length
+    peers = [("llama.cpp", llama_peer.load(args.model_path, threads, context)),
+             (f"llama.cpp lookup {args.llama_lookup_tokens}",
+              llama_peer.load(args.model_path, threads, context, args.llama_lookup_tokens))]
+    for _, llm in peers:
+        llama_peer.generate(llm, llm.tokenize(b"Hello"), 4)        # warm up
+    return peers
+
+
+def _new_entry(label: str, spec: dict[str, Any], peer: bool = False) -> dict[str, Any]:
+    return {"label": label, "is_plain": not spec and not peer, "spec_kwargs": spec, "peer": peer,
+            "per_category": {}, "histogram": {}, "error": None}
 
 
 def _build_engines(args, runs, id_lists) -> tuple[list[dict[str, Any]], list[Any]]:
     entries, engines = [], []
     kv_tokens = serving.kv_tokens_needed(args, id_lists, args.batch_size, args.max_new_tokens)
     for label, spec in runs:
-        entry: dict[str, Any] = {"label": label, "is_plain": not spec, "spec_kwargs": spec, "per_category": {},
-                                 "histogram": {}, "error": None}
+        entry = _new_entry(label, spec)
         engine = None
         try:
             policy = args.speculative_policy if spec else None
@@ -209,10 +255,11 @@ def _build_engines(args, runs, id_lists) -> tuple[list[dict[str, Any]], list[Any
     return entries, engines
 
 
-def _run_interleaved(args, runs, engines, entries, prompt_list, id_lists, outputs) -> None:
+def _run_interleaved(args, engines, entries, prompt_list, id_lists, outputs, peers) -> None:
+    """peers: [(Llama, entry, outputs)], run after the engines on every group of prompts."""
     live = [i for i, engine in enumerate(engines) if engine is not None]
     step = max(args.batch_size, 1)
-    with serving.progress_bar(len(id_lists) * len(live), "speculative (all configs)") as bar:
+    with serving.progress_bar(len(id_lists) * (len(live) + len(peers)), "speculative (all configs)") as bar:
         for category in prompt_data.categories(prompt_list):
             indices = [i for i, p in enumerate(prompt_list) if p.category == category]
             for i in live:
@@ -221,6 +268,8 @@ def _run_interleaved(args, runs, engines, entries, prompt_list, id_lists, output
                 chunk = indices[chunk_start:chunk_start + step]
                 for i in live:
                     _run_chunk(engines[i].engine, args, entries[i], category, chunk, id_lists, outputs[i], bar)
+                for llm, entry, peer_outputs in peers:
+                    _run_peer_chunk(llm, args, entry, category, chunk, id_lists, peer_outputs, bar)
 
 
 def _run_chunk(core, args, entry, category, indices, id_lists, outputs, bar) -> None:
@@ -236,8 +285,7 @@ def _run_chunk(core, args, entry, category, indices, id_lists, outputs, bar) -> 
         entry["histogram"][category] = delta if old is None else _sum_histograms([old, delta])
     for index, rec in zip(indices, records):
         outputs[index] = rec.output_ids
-    stats = entry["per_category"].setdefault(category, {"num_requests": 0, "tokens": 0, "wall_s": 0.0,
-                                                        "verify_ct": 0, "_accepted": 0.0, "_ttft": []})
+    stats = _category_stats(entry, category)
     stats["num_requests"] += len(records)
     stats["tokens"] += sum(len(r.output_ids) for r in records)
     stats["wall_s"] += wall
@@ -248,13 +296,33 @@ def _run_chunk(core, args, entry, category, indices, id_lists, outputs, bar) -> 
         stats["_ttft"].append(rec.ttft)
 
 
+def _run_peer_chunk(llm, args, entry, category, indices, id_lists, outputs, bar) -> None:
+    """One group of prompts through llama.cpp, one at a time (it has no accept-length count)."""
+    stats = _category_stats(entry, category)
+    for index in indices:
+        start = time.perf_counter()
+        outputs[index] = llama_peer.generate(llm, id_lists[index], args.max_new_tokens, not args.ignore_eos)
+        stats["wall_s"] += time.perf_counter() - start
+        stats["num_requests"] += 1
+        stats["tokens"] += len(outputs[index])
+        bar.update(1)
+
+
+def _category_stats(entry: dict[str, Any], category: str) -> dict[str, Any]:
+    return entry["per_category"].setdefault(category, {"num_requests": 0, "tokens": 0, "wall_s": 0.0, "verify_ct": 0,
+                                                       "_accepted": 0.0, "_ttft": []})
+
+
 def _finish_entry(entry: dict[str, Any]) -> None:
     for stats in entry["per_category"].values():
         accepted, ttfts = stats.pop("_accepted"), stats.pop("_ttft")
         stats["tok_s"] = stats["tokens"] / stats["wall_s"] if stats["wall_s"] > 0 else float("nan")
-        stats["accept_length"] = accepted / stats["verify_ct"] if stats["verify_ct"] else 1.0
-        stats["median_ttft_s"] = report.median(ttfts)
+        stats["accept_length"] = (None if entry.get("peer") else
+                                  accepted / stats["verify_ct"] if stats["verify_ct"] else 1.0)
+        stats["median_ttft_s"] = report.median(ttfts) if ttfts else None
     entry["overall"] = _overall(entry["per_category"])
+    if entry.get("peer"):
+        entry["overall"]["accept_length"] = None
     if entry["spec_kwargs"] and not entry["error"] and not entry["overall"]["verify_ct"]:
         entry["warning"] = INACTIVE_WARNING
     if entry["histogram"]:
@@ -327,6 +395,9 @@ def _print(result: dict[str, Any]) -> None:
             rows.append([entry["label"], "ERROR", entry["error"][:60], None, None, None, "-"])
     report.print_table(["config", "category", "tokens", "tok/s", "speedup", "accept len", "same as plain"],
                        rows, title=title)
+    if result.get("llama_cpp"):
+        print("llama.cpp rows: speedup = vs specserve's plain decoding in the same run; 'same as plain' = "
+              "equal to llama.cpp's own plain output")
     for entry in result["configs"]:
         if entry.get("warning"):
             print(f"warning [{entry['label']}]: {entry['warning']}")

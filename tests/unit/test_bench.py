@@ -285,3 +285,62 @@ def test_best_shape_is_the_fastest_lossless_one_per_algorithm():
                entry("EAGLE", (3, 1, 4), 2.0, error="boom"), entry("EAGLE", (4, 4, 8), 0.9)]
     winners = {w["algorithm"]: w["shape"] for w in best_shapes(configs)}
     assert winners == {"EAGLE3": [5, 4, 8], "EAGLE": [4, 4, 8]}
+
+
+# ---- llama.cpp beside the speculative bench ---------------------------------------------------------
+
+class _FakeLlama:
+    """llama-cpp-python's generate: an endless greedy stream (here a fixed one, then EOS, then more)."""
+
+    def __init__(self, stream):
+        self.stream, self.calls = stream, []
+
+    def token_eos(self):
+        return 2
+
+    def generate(self, ids, **sampling):
+        self.calls.append((list(ids), sampling))
+        yield from self.stream
+
+
+def test_llama_peer_generate_stops_at_eos_only_when_asked():
+    from specserve.bench import llama_peer
+
+    llm = _FakeLlama([5, 6, 2, 7, 8, 9])
+    assert llama_peer.generate(llm, [1, 4], 10, stop_at_eos=True) == [5, 6]
+    assert llama_peer.generate(llm, [1, 4], 4) == [5, 6, 2, 7]
+    ids, sampling = llm.calls[0]
+    assert ids == [1, 4] and sampling["temp"] == 0.0 and sampling["top_k"] == 1 and sampling["reset"] is True
+
+
+def test_llama_cpp_flag_is_refused_where_it_cannot_run(monkeypatch):
+    from specserve.bench import llama_peer
+
+    args = cli.parse_args(["speculative", "--llama-cpp", "--model-path", "model.safetensors"])
+    with pytest.raises(ValueError, match="--llama-cpp"):
+        speculative._load_peers(args)
+    monkeypatch.setattr(llama_peer, "skip_reason", lambda path: None)
+    args = cli.parse_args(["speculative", "--llama-cpp", "--batch-size", "4", "--model-path", "m.gguf"])
+    with pytest.raises(ValueError, match="batch 1"):
+        speculative._load_peers(args)
+    assert speculative._load_peers(cli.parse_args(["speculative"])) == []
+
+
+def test_llama_cpp_rows_count_tokens_and_compare_with_their_own_plain():
+    args = SimpleNamespace(max_new_tokens=3, ignore_eos=False)
+    entries = [speculative._new_entry(label, {}, peer=True) for label in ("llama.cpp", "llama.cpp lookup 10")]
+    outputs = [[None, None], [None, None]]
+    ids = [[1, 2], [3]]
+    bar = SimpleNamespace(update=lambda n: None)
+    for entry, out, stream in zip(entries, outputs, ([5, 2], [5, 6, 7, 8])):
+        speculative._run_peer_chunk(_FakeLlama(stream), args, entry, "chat", [0, 1], ids, out, bar)
+    assert outputs == [[[5], [5]], [[5, 6, 7], [5, 6, 7]]]
+    plain_entry = speculative._new_entry("plain", {})
+    plain_entry["per_category"]["chat"] = {"tok_s": 1.0}
+    plain_entry["overall"] = {"tok_s": 1.0}
+    for entry, out in zip(entries, outputs):
+        speculative._finish_entry(entry)
+        speculative._compare(entry, out, outputs[0], [SimpleNamespace(category="chat")] * 2, plain_entry)
+    assert entries[0]["overall"]["tokens"] == 2 and entries[1]["overall"]["tokens"] == 6
+    assert entries[1]["overall"]["accept_length"] is None and "warning" not in entries[1]
+    assert entries[0]["overall"]["identical_to_plain"] == 2 and entries[1]["overall"]["identical_to_plain"] == 0

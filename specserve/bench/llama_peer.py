@@ -1,0 +1,54 @@
+"""llama.cpp (``llama-cpp-python``) as the peer the benches run beside specserve: the same GGUF,
+the same prompt ids and threads, batch 1, greedy. Plain decoding, or with llama.cpp's own
+speculation by prompt lookup (``LlamaPromptLookupDecoding``: the n-gram draft llama.cpp ships,
+the peer of our NGRAM)."""
+from __future__ import annotations
+
+from typing import Any
+
+INSTALL_HINT = "llama-cpp-python is not installed (pip install llama-cpp-python)"
+
+
+def skip_reason(model_path: Any) -> str | None:
+    """Why llama.cpp cannot run beside this model, or None when it can."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return INSTALL_HINT
+    if not str(model_path).endswith(".gguf"):
+        return "the model is not a GGUF file"
+    return None
+
+
+def version() -> str | None:
+    import llama_cpp
+
+    return getattr(llama_cpp, "__version__", None)
+
+
+def load(model_path: Any, threads: int, context_length: int, lookup_tokens: int | None = None):
+    """A ``Llama`` on ``model_path``; with ``lookup_tokens``, drafting that many tokens a step by
+    prompt lookup (llama-cpp-python's default n-gram size, 2)."""
+    from llama_cpp import Llama
+
+    draft = None
+    if lookup_tokens:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
+    return Llama(model_path=str(model_path), n_ctx=context_length, n_threads=threads, n_threads_batch=threads,
+                 draft_model=draft, verbose=False)
+
+
+def generate(llm, ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    """Greedy tokens after ``ids`` (the prompt re-read from scratch), at most ``max_new_tokens``;
+    with ``stop_at_eos``, ending before the model's end-of-sequence token as specserve's requests do."""
+    out: list[int] = []
+    eos = llm.token_eos()
+    for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        if stop_at_eos and token == eos:
+            break
+        out.append(token)
+        if len(out) >= max_new_tokens:
+            break
+    return out
