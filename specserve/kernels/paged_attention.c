@@ -8,6 +8,8 @@
        out     = (sum_l w_l V[slot_l]) / (sum_l w_l)     float32; the numerator's terms in key
                                                          order, the denominator's in 8 lanes
                                                          (keys l = i mod 8 in order) and hsum8
+   over each split of KEY_SPLIT keys (the max taken per split), the splits merged as the comment
+   on KEY_SPLIT says (a row of at most KEY_SPLIT keys: exactly the formulas above).
    Every step depends only on the keys a row attends to, in their order, never on the other
    rows, the batch, padding or masked keys (skipped, not added as zeros), nor on the thread
    count: a token gets the same bits verified inside a draft tree, decoded alone or batched.
@@ -23,7 +25,8 @@
    go in segments: the keys every row of a segment attends to are scored tile by tile and
    weighed chunk by chunk for all its rows while those keys are in L1, and each row then goes
    on alone with its own keys; every score and every FMA chain is the one the row would get
-   alone.
+   alone. A few rows (a decode step) go as tasks of one row, KV head and key split each, so
+   the threads share a long context.
    Built by build.py (cpu_kernels.c), called from attention.py and decoder_layer.c. */
 #include "common.h"
 
@@ -253,10 +256,11 @@ static void weigh_pairs(const float *const *wrow, float *const *orow, int pairs,
 /* One query row against one KV head, scores: the `group` query heads q[g * hd16 ...] (float32,
    already scaled, zero padded to hd16) against the keys at `slots` (num_keys of them), the
    scores of keys [0, scored) already in `scores` (scored: a multiple of ATT_LANES); then the
-   softmax weights in place, and inv[g] = 1 / their sum. scores: >= round8(num_keys) * group
-   floats of scratch, row g at g * round8(num_keys). */
+   softmax weights exp(score - max) in place, max[g] and sum[g] (their sum, in 8 lanes then
+   hsum8). scores: >= round8(num_keys) * group floats of scratch, row g at g * round8(num_keys). */
 static void score_row(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
-                      int scored, int group, int head_dim, int hd16, int is_bf16, float *scores, float *inv) {
+                      int scored, int group, int head_dim, int hd16, int is_bf16, float *scores, float *max_out,
+                      float *sum_out) {
     const int padded = (num_keys + 7) / 8 * 8;
     score_keys(q, k_base, slot_stride, slots + scored, num_keys - scored, group, head_dim, hd16, is_bf16, padded,
                scores + scored);
@@ -285,7 +289,8 @@ static void score_row(const float *q, const char *k_base, long slot_stride, cons
             _mm256_storeu_ps(row + l, e);
             sum = _mm256_add_ps(sum, e);
         }
-        inv[g] = 1.0f / hsum8(sum);
+        max_out[g] = max;
+        sum_out[g] = hsum8(sum);
     }
 }
 
@@ -310,22 +315,33 @@ static int allowed_slots(const uint8_t *allowed, const int64_t *kv_row, int L, i
     return n;
 }
 
-/* one row's buffers: its scores, allowed slots, scaled query heads and result */
+/* The keys of a row are taken in splits of KEY_SPLIT (by their index in the row's list of
+   allowed keys), each split's softmax on its own, then merged in split order:
+       m_c = max score of split c, s_c = sum of exp(score - m_c), a_c = sum of exp(score - m_c) V
+       M = max_c m_c, f_c = exp(m_c - M), out = (sum_c f_c a_c) * (1 / sum_c f_c s_c)
+   A row with at most KEY_SPLIT keys has one split, f_0 = 1 exactly, so out = a_0 * (1 / s_0).
+   The splits depend only on the row's own keys, so rows stay invariant; they let the threads
+   share one long row (a decode step on a long context: each thread takes whole splits, and
+   reads every byte of the K/V rows it fetches, instead of one KV head's third of each). */
+#define KEY_SPLIT 256          /* a multiple of ATT_LANES and KEY_CHUNK */
+
+/* a split's partial result for one row and KV head: max[group], sum[group], acc[group][head_dim] */
+static inline long partial_floats(int group, int head_dim) { return (long)group * (head_dim + 2); }
+
+/* one row's buffers: its scores (of one split), allowed slots, scaled query heads (all KV heads') */
 typedef struct {
-    float *scores, *qf, *res;
+    float *scores, *qf;
     int64_t *slots;
     int num_keys;
-    float inv[MAX_GROUP];
 } row_scratch;
 
-static void scratch_alloc(row_scratch *s, int L, int group, int hd16, int head_dim) {
-    s->scores = (float *)malloc((size_t)((L + 7) / 8 * 8) * group * sizeof(float));
+static void scratch_alloc(row_scratch *s, int L, int num_heads, int group, int hd16) {
+    s->scores = (float *)malloc((size_t)KEY_SPLIT * group * sizeof(float));
     s->slots = (int64_t *)malloc((size_t)(L > 0 ? L : 1) * sizeof(int64_t));
-    s->qf = (float *)calloc((size_t)group * hd16, sizeof(float));
-    s->res = (float *)malloc((size_t)group * head_dim * sizeof(float));
+    s->qf = (float *)calloc((size_t)num_heads * hd16, sizeof(float));
 }
 
-static void scratch_free(row_scratch *s) { free(s->scores), free(s->slots), free(s->qf), free(s->res); }
+static void scratch_free(row_scratch *s) { free(s->scores), free(s->slots), free(s->qf); }
 
 /* how many leading keys rows 1 .. rows - 1 share with row 0 (same slots, same order), in
    whole score tiles */
@@ -340,82 +356,162 @@ static int shared_keys(const row_scratch *s, int rows) {
     return n / ATT_LANES * ATT_LANES;
 }
 
-/* rows t0 .. t0 + rows - 1 (one request) against KV heads [h0, h1). The score tiles of the keys
-   every row attends to (the shared prefix) are scored for all rows while a tile's keys are in
-   L1, instead of each row reading them again from L2; each score is the same score_tile call
-   as for a row alone, so the bits do not change. */
-static void attend_block(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
-                         const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
-                         const int32_t *row_query, int t0, int rows, int h0, int h1, int L, int Q, int num_heads,
-                         int num_kv_heads, int head_dim, int hd16, int q_bf16, int is_bf16, row_scratch *s) {
-    const int group = num_heads / num_kv_heads, esize = is_bf16 ? 2 : 4;
-    const long slot_stride = (long)num_kv_heads * head_dim * esize;
-    const float scale = 1.0f / sqrtf((float)head_dim);
+/* The shape of one attention_rows call */
+typedef struct {
+    const void *q, *k_layer, *v_layer;
+    long q_ld, slot_stride;
+    const int64_t *kv_indices;
+    const uint8_t *mask;
+    const int32_t *row_batch, *row_query;
+    int L, Q, num_heads, num_kv_heads, group, head_dim, hd16, q_bf16, is_bf16;
+} att_call;
+
+/* the allowed keys of rows t0 .. t0 + rows - 1 into s; returns the keys they all share */
+static int gather_rows(const att_call *c, int t0, int rows, row_scratch *s) {
     for (int r = 0; r < rows; r++) {
-        const int t = t0 + r, b = row_batch[t];
-        s[r].num_keys = allowed_slots(mask + ((long)b * Q + row_query[t]) * L, kv_indices + (long)b * L, L,
-                                      s[r].slots);
+        const int t = t0 + r, b = c->row_batch[t];
+        s[r].num_keys = allowed_slots(c->mask + ((long)b * c->Q + c->row_query[t]) * c->L,
+                                      c->kv_indices + (long)b * c->L, c->L, s[r].slots);
     }
-    const int shared = rows > 1 ? shared_keys(s, rows) : 0;
-    for (int h = h0; h < h1; h++) {
-        const char *k_base = (const char *)k_layer + (long)h * head_dim * esize;
-        const char *v_base = (const char *)v_layer + (long)h * head_dim * esize;
+    return rows > 1 ? shared_keys(s, rows) : 0;
+}
+
+/* the scaled query heads of rows t0 .. into s[r].qf (head i at i * hd16, zero padded) */
+static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
+    const float scale = 1.0f / sqrtf((float)c->head_dim);
+    for (int r = 0; r < rows; r++) {
+        const long q_off = (long)(t0 + r) * c->q_ld;
+        for (int i = 0; i < c->num_heads; i++)
+            for (int d = 0; d < c->head_dim; d++)
+                s[r].qf[i * c->hd16 + d] = get_elem(c->q, q_off + (long)i * c->head_dim + d, c->q_bf16) * scale;
+    }
+}
+
+/* Split `split` of rows t0 .. t0 + rows - 1 (one request; queries loaded) against KV head h:
+   each row's partial into part + r * part_stride (max -inf, sum 0 for a row without keys in
+   it). The score tiles of keys every row attends to (the shared prefix) are scored for all
+   rows while a tile's keys are in L1, and their values weighed for every row KEY_CHUNK keys at
+   a time; each score and FMA chain is the one the row would get alone, so the bits do not
+   change. */
+static void attend_split(const att_call *c, int rows, int h, int split, int shared, row_scratch *s, float *part,
+                         long part_stride) {
+    const int group = c->group, head_dim = c->head_dim, hd16 = c->hd16, is_bf16 = c->is_bf16, esize = is_bf16 ? 2 : 4;
+    const int k0 = split * KEY_SPLIT;
+    const long q0 = (long)h * group * hd16;          /* this KV head's query heads in qf */
+    const char *k_base = (const char *)c->k_layer + (long)h * head_dim * esize;
+    const char *v_base = (const char *)c->v_layer + (long)h * head_dim * esize;
+    const long stride = c->slot_stride;
+    int count[ROW_BLOCK];                    /* keys of each row in this split */
+    for (int r = 0; r < rows; r++) {
+        const int n = s[r].num_keys - k0;
+        count[r] = n < 0 ? 0 : n > KEY_SPLIT ? KEY_SPLIT : n;
+    }
+    int common = shared - k0;                /* keys of this split every row attends to */
+    common = common < 0 ? 0 : common > KEY_SPLIT ? KEY_SPLIT : common;
+    for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
+        const char *tile[ATT_LANES], *keys[ATT_LANES];
+        float widened[ATT_LANES * MAX_HEAD_DIM];
+        const int64_t *slots = s[0].slots + k0;
+        for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + slots[l0 + i] * stride;
+        for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < common; i++)
+            prefetch_row(k_base + slots[l0 + ATT_LANES + i] * stride, head_dim * esize);
+        tile_rows(tile, keys, widened, head_dim, hd16, is_bf16);
         for (int r = 0; r < rows; r++) {
-            const long q_off = (long)(t0 + r) * q_ld + (long)h * group * head_dim;
+            const int padded = (count[r] + 7) / 8 * 8;
             for (int g = 0; g < group; g++)
-                for (int d = 0; d < head_dim; d++)
-                    s[r].qf[g * hd16 + d] = get_elem(q, q_off + g * head_dim + d, q_bf16) * scale;
-        }
-        for (int l0 = 0; l0 < shared; l0 += ATT_LANES) {
-            const char *tile[ATT_LANES], *keys[ATT_LANES];
-            float widened[ATT_LANES * MAX_HEAD_DIM];
-            for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + s[0].slots[l0 + i] * slot_stride;
-            for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < shared; i++)
-                prefetch_row(k_base + s[0].slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
-            tile_rows(tile, keys, widened, head_dim, hd16, is_bf16);
-            for (int r = 0; r < rows; r++) {
-                const int padded = (s[r].num_keys + 7) / 8 * 8;
-                for (int g = 0; g < group; g++)
-                    v_store_part(s[r].scores + g * padded + l0,
-                                 score_tile(s[r].qf + g * hd16, keys, head_dim, hd16), ATT_LANES);
-            }
-        }
-        for (int r = 0; r < rows; r++)
-            if (s[r].num_keys > 0)
-                score_row(s[r].qf, k_base, slot_stride, s[r].slots, s[r].num_keys, shared, group, head_dim, hd16,
-                          is_bf16, s[r].scores, s[r].inv);
-        /* the shared keys' values, for every row and head of the segment, KEY_CHUNK keys at a
-           time (their value rows stay in L1 across the passes) */
-        const float *wrow[ROW_BLOCK * MAX_GROUP];
-        float *orow[ROW_BLOCK * MAX_GROUP];
-        for (int r = 0; r < rows; r++)
-            for (int g = 0; g < group; g++) {
-                wrow[r * group + g] = s[r].scores + g * ((s[r].num_keys + 7) / 8 * 8);
-                orow[r * group + g] = s[r].res + g * head_dim;
-            }
-        for (int l0 = 0; l0 < shared; l0 += KEY_CHUNK)
-            weigh_pairs(wrow, orow, rows * group, v_base, slot_stride, s[0].slots, l0,
-                        l0 + KEY_CHUNK < shared ? l0 + KEY_CHUNK : shared, head_dim, is_bf16, l0 > 0);
-        for (int r = 0; r < rows; r++) {     /* then each row's own keys, going on from those sums */
-            const long out_off = ((long)(t0 + r) * num_heads + (long)h * group) * head_dim;
-            if (s[r].num_keys == 0) {
-                memset(s[r].res, 0, (size_t)group * head_dim * sizeof(float));
-            } else {
-                weigh_pairs(wrow + r * group, orow + r * group, group, v_base, slot_stride, s[r].slots, shared,
-                            s[r].num_keys, head_dim, is_bf16, shared > 0);
-                for (int g = 0; g < group; g++)
-                    for (int d = 0; d < head_dim; d++) s[r].res[g * head_dim + d] *= s[r].inv[g];
-            }
-            for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, s[r].res[i], q_bf16);
+                v_store_part(s[r].scores + g * padded + l0,
+                             score_tile(s[r].qf + q0 + g * hd16, keys, head_dim, hd16), ATT_LANES);
         }
     }
+    for (int r = 0; r < rows; r++) {
+        float *p = part + r * part_stride;
+        if (count[r] > 0) {
+            score_row(s[r].qf + q0, k_base, stride, s[r].slots + k0, count[r], common, group, head_dim, hd16, is_bf16,
+                      s[r].scores, p, p + group);
+        } else {
+            for (int g = 0; g < group; g++) p[g] = -INFINITY, p[group + g] = 0.0f;
+        }
+    }
+    const float *wrow[ROW_BLOCK * MAX_GROUP];
+    float *orow[ROW_BLOCK * MAX_GROUP];
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < group; g++) {
+            wrow[r * group + g] = s[r].scores + g * ((count[r] + 7) / 8 * 8);
+            orow[r * group + g] = part + r * part_stride + 2 * group + g * head_dim;
+        }
+    for (int l0 = 0; l0 < common; l0 += KEY_CHUNK)
+        weigh_pairs(wrow, orow, rows * group, v_base, stride, s[0].slots + k0, l0,
+                    l0 + KEY_CHUNK < common ? l0 + KEY_CHUNK : common, head_dim, is_bf16, l0 > 0);
+    for (int r = 0; r < rows; r++) {     /* then each row's own keys, going on from those sums */
+        if (count[r] > common)
+            weigh_pairs(wrow + r * group, orow + r * group, group, v_base, stride, s[r].slots + k0, common, count[r],
+                        head_dim, is_bf16, common > 0);
+        else if (count[r] == 0)
+            memset(orow[r * group], 0, (size_t)group * head_dim * sizeof(float));
+    }
+}
+
+/* row t's output for KV head h from its splits' partials (num_splits of them, split_stride
+   floats apart), as the comment on KEY_SPLIT says */
+static void merge_splits(const att_call *c, int t, int h, const float *part, long split_stride, int num_splits,
+                         void *out) {
+    const int group = c->group, head_dim = c->head_dim;
+    const long out_off = ((long)t * c->num_heads + (long)h * group) * head_dim;
+    float res[MAX_GROUP * MAX_HEAD_DIM];
+    for (int g = 0; g < group; g++) {
+        float max = -INFINITY, sum = 0.0f;
+        for (int i = 0; i < num_splits; i++) max = part[i * split_stride + g] > max ? part[i * split_stride + g] : max;
+        float *acc = res + g * head_dim;
+        int first = 1;
+        for (int i = 0; i < num_splits; i++) {
+            const float *p = part + i * split_stride;
+            if (p[g] == -INFINITY) continue;        /* a split without keys of this row */
+            const float f = expf(p[g] - max);       /* 1 exactly for the split holding the max */
+            const float *a = p + 2 * group + g * head_dim;
+            sum = first ? f * p[group + g] : sum + f * p[group + g];
+            for (int d = 0; d < head_dim; d++) acc[d] = first ? f * a[d] : acc[d] + f * a[d];
+            first = 0;
+        }
+        if (first) {                                /* no keys at all */
+            memset(acc, 0, (size_t)head_dim * sizeof(float));
+            continue;
+        }
+        const float inv = 1.0f / sum;
+        for (int d = 0; d < head_dim; d++) acc[d] *= inv;
+    }
+    for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, res[i], c->q_bf16);
+}
+
+/* rows t0 .. t0 + rows - 1 (one request) against every KV head, split by split (the heads of a
+   split in turn: they share the K/V rows' cache lines), merged. part: rows * num_kv_heads *
+   max_splits partials of scratch. */
+static void attend_segment(const att_call *c, int t0, int rows, void *out, row_scratch *s, float *part,
+                           int max_splits) {
+    const int shared = gather_rows(c, t0, rows, s);
+    const long pf = partial_floats(c->group, c->head_dim), split_stride = (long)rows * c->num_kv_heads * pf;
+    int splits = 0;
+    for (int r = 0; r < rows; r++) {
+        const int n = (s[r].num_keys + KEY_SPLIT - 1) / KEY_SPLIT;
+        splits = n > splits ? n : splits;
+    }
+    splits = splits < 1 ? 1 : splits > max_splits ? max_splits : splits;
+    load_queries(c, t0, rows, s);
+    for (int split = 0; split < splits; split++)
+        for (int h = 0; h < c->num_kv_heads; h++)
+            attend_split(c, rows, h, split, shared, s, part + split * split_stride + (long)h * rows * pf, pf);
+    for (int h = 0; h < c->num_kv_heads; h++)
+        for (int r = 0; r < rows; r++)
+            merge_splits(c, t0 + r, h, part + ((long)h * rows + r) * pf, split_stride, splits, out);
 }
 
 /* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer
    [num_slots, num_kv_heads, head_dim]; kv_indices [B, L] int64; mask [B, Q, L] bool;
    row_batch/row_query [T] int32; out [T, num_heads * head_dim]. dtype (q and out) and kv_dtype
    (K/V, the cache's `--kv-cache-dtype`): 0 float32, 1 bfloat16. Returns 0, or -1 for shapes it
-   does not take. */
+   does not take.
+   Work is shared two ways, with the same bits: rows too few to keep the threads busy go as
+   tasks of one row, one KV head and one key split each, merged after; otherwise a task is a
+   segment of consecutive rows of one request (at most ROW_BLOCK) with all its heads and splits. */
 int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
                    const int64_t *kv_indices, const uint8_t *mask,
                    const int32_t *row_batch, const int32_t *row_query,
@@ -423,13 +519,43 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
                    int dtype, int kv_dtype, int nthreads) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
-    const int q_bf16 = dtype == DTYPE_BF16, is_bf16 = kv_dtype == DTYPE_BF16;
-    const int hd16 = (head_dim + 15) / 16 * 16;
-    /* a task: a segment of consecutive rows of one request (at most `block`) with all their KV
-       heads, or one KV head of a row when rows are too few to share the threads */
-    const int by_head = T < 2 * nthreads, tasks_per_segment = by_head ? num_kv_heads : 1;
-    int block = by_head ? 1 : (T + nthreads - 1) / nthreads;
-    block = block > ROW_BLOCK ? ROW_BLOCK : block;
+    const int is_bf16 = kv_dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    const att_call c = {q, k_layer, v_layer, q_ld, (long)num_kv_heads * head_dim * esize, kv_indices, mask,
+                        row_batch, row_query, L, Q, num_heads, num_kv_heads, group, head_dim,
+                        (head_dim + 15) / 16 * 16, dtype == DTYPE_BF16, is_bf16};
+    const int max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
+    const long pf = partial_floats(group, head_dim);
+    if (T < 2 * nthreads) {     /* few rows: a task per row, KV head and split */
+        float *part = (float *)malloc((size_t)T * num_kv_heads * max_splits * pf * sizeof(float));
+        const long tasks = (long)T * num_kv_heads * max_splits;
+        #pragma omp parallel num_threads(nthreads)
+        {
+            row_scratch scratch;
+            scratch_alloc(&scratch, L, num_heads, group, c.hd16);
+            int loaded = -1;                /* the row whose keys and queries scratch holds */
+            /* splits outermost: the threads work on the same K/V rows at the same time */
+            #pragma omp for schedule(dynamic, 1)
+            for (long task = 0; task < tasks; task++) {
+                const int split = (int)(task / ((long)T * num_kv_heads));
+                const int t = (int)(task / num_kv_heads % T), h = (int)(task % num_kv_heads);
+                if (t != loaded) {
+                    gather_rows(&c, t, 1, &scratch);
+                    load_queries(&c, t, 1, &scratch);
+                    loaded = t;
+                }
+                attend_split(&c, 1, h, split, 0, &scratch, part + (((long)t * num_kv_heads + h) * max_splits + split) * pf,
+                             pf);
+            }
+            #pragma omp for schedule(static)
+            for (long th = 0; th < (long)T * num_kv_heads; th++)
+                merge_splits(&c, (int)(th / num_kv_heads), (int)(th % num_kv_heads), part + th * max_splits * pf, pf,
+                             max_splits, out);
+            scratch_free(&scratch);
+        }
+        free(part);
+        return 0;
+    }
+    const int block = (T + nthreads - 1) / nthreads > ROW_BLOCK ? ROW_BLOCK : (T + nthreads - 1) / nthreads;
     int *segment_start = (int *)malloc((size_t)(T + 1) * sizeof(int)), num_segments = 0;
     for (int t = 0; t < T; t++)
         if (t == 0 || row_batch[t] != row_batch[t - 1] || t - segment_start[num_segments - 1] == block)
@@ -438,18 +564,16 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
     #pragma omp parallel num_threads(nthreads)
     {
         row_scratch scratch[ROW_BLOCK];
-        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], L, group, hd16, head_dim);
+        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], L, num_heads, group, c.hd16);
+        float *part = (float *)malloc((size_t)block * num_kv_heads * max_splits * pf * sizeof(float));
         /* dynamic: requests' key counts differ (a batch of 32 mixed prompts: -5% against
            contiguous static halves); a task writes only its own rows, so bits do not depend on
            which thread takes it */
         #pragma omp for schedule(dynamic, 1)
-        for (long task = 0; task < (long)num_segments * tasks_per_segment; task++) {
-            const int seg = (int)(task / tasks_per_segment), h = (int)(task % tasks_per_segment);
-            const int t0 = segment_start[seg], rows = segment_start[seg + 1] - t0;
-            attend_block(q, q_ld, k_layer, v_layer, out, kv_indices, mask, row_batch, row_query, t0, rows,
-                         by_head ? h : 0, by_head ? h + 1 : num_kv_heads, L, Q, num_heads, num_kv_heads,
-                         head_dim, hd16, q_bf16, is_bf16, scratch);
-        }
+        for (long seg = 0; seg < num_segments; seg++)
+            attend_segment(&c, segment_start[seg], segment_start[seg + 1] - segment_start[seg], out, scratch, part,
+                           max_splits);
+        free(part);
         for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
     free(segment_start);

@@ -78,9 +78,10 @@ def test_tree_rows_equal_plain_decode_rows(dtype, prefix):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_invariant_attention_matches_sdpa_closely(dtype):
+@pytest.mark.parametrize("prefix", [90, 700])          # 700: the kernel's keys in three splits, merged
+def test_row_invariant_attention_matches_sdpa_closely(dtype, prefix):
     cache = _cache(dtype)
-    n, prefix = 4, 90
+    n = 4
     q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM).to(dtype)
     k, v = torch.randn(n, NUM_KV, HEAD_DIM).to(dtype), torch.randn(n, NUM_KV, HEAD_DIM).to(dtype)
     slots = list(range(100, 100 + prefix + n))
@@ -121,3 +122,23 @@ def test_decode_rows_beside_a_tree_attend_unpadded_and_unchanged(dtype, attentio
         assert torch.equal(alone, together[b:b + 1])
     tree = _attend(cache, q[2:], k[2:], v[2:], [prefix], [n], [tree_slots], tree_slots[prefix:])
     assert torch.equal(tree, together[2:])
+
+
+@pytest.mark.parametrize("prefix", [40, 700])
+def test_thread_count_does_not_change_bits(prefix):
+    """The kernel shares few rows out by KV head and key split, more rows by segment: whichever
+    the thread count picks, every row gets the same bits."""
+    cache = _cache(torch.float32)
+    n = 3
+    q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
+    k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
+    slots = list(range(100, 100 + prefix + n))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(_attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
