@@ -504,14 +504,86 @@ static void attend_segment(const att_call *c, int t0, int rows, void *out, row_s
             merge_splits(c, t0 + r, h, part + ((long)h * rows + r) * pf, split_stride, splits, out);
 }
 
+/* segments of consecutive rows of one request, at most `block` rows each: their count, and
+   their first rows into start[0 .. count] (start[count] = T) unless start is NULL */
+static int count_segments(const int32_t *row_batch, int T, int block, int *start) {
+    int n = 0, first = 0;
+    for (int t = 0; t < T; t++)
+        if (t == 0 || row_batch[t] != row_batch[t - 1] || t - first == block) {
+            if (start) start[n] = t;
+            first = t, n++;
+        }
+    if (start) start[n] = T;
+    return n;
+}
+
+/* tasks of one segment, KV head and split (splits outermost: the threads work on the same K/V
+   rows at the same time), then each row's splits merged */
+static void attend_by_split(const att_call *c, const int *segment_start, int num_segments, int block,
+                            int max_splits, void *out, int nthreads) {
+    const long pf = partial_floats(c->group, c->head_dim), per_split = (long)block * pf;
+    const long per_head = (long)num_segments * c->num_kv_heads;
+    float *part = (float *)malloc((size_t)per_head * max_splits * per_split * sizeof(float));
+    #pragma omp parallel num_threads(nthreads)
+    {
+        row_scratch scratch[ROW_BLOCK];
+        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hd16);
+        int loaded = -1, shared = 0;         /* the segment whose keys and queries scratch holds */
+        #pragma omp for schedule(dynamic, 1)
+        for (long task = 0; task < per_head * max_splits; task++) {
+            const int split = (int)(task / per_head), seg = (int)(task % per_head / c->num_kv_heads);
+            const int h = (int)(task % c->num_kv_heads);
+            const int t0 = segment_start[seg], rows = segment_start[seg + 1] - t0;
+            if (seg != loaded) {
+                shared = gather_rows(c, t0, rows, scratch);
+                load_queries(c, t0, rows, scratch);
+                loaded = seg;
+            }
+            attend_split(c, rows, h, split, shared, scratch,
+                         part + (((long)seg * c->num_kv_heads + h) * max_splits + split) * per_split, pf);
+        }
+        #pragma omp for schedule(static)
+        for (long sh = 0; sh < per_head; sh++) {
+            const int seg = (int)(sh / c->num_kv_heads), h = (int)(sh % c->num_kv_heads);
+            for (int t = segment_start[seg]; t < segment_start[seg + 1]; t++)
+                merge_splits(c, t, h, part + sh * max_splits * per_split + (t - segment_start[seg]) * pf, per_split,
+                             max_splits, out);
+        }
+        for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
+    }
+    free(part);
+}
+
+/* a task per segment, its heads and splits in turn */
+static void attend_by_segment(const att_call *c, const int *segment_start, int num_segments, int block,
+                              int max_splits, void *out, int nthreads) {
+    const long pf = partial_floats(c->group, c->head_dim);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        row_scratch scratch[ROW_BLOCK];
+        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hd16);
+        float *part = (float *)malloc((size_t)block * c->num_kv_heads * max_splits * pf * sizeof(float));
+        /* dynamic: requests' key counts differ (a batch of 32 mixed prompts: -5% against
+           contiguous static halves); a task writes only its own rows, so bits do not depend on
+           which thread takes it */
+        #pragma omp for schedule(dynamic, 1)
+        for (long seg = 0; seg < num_segments; seg++)
+            attend_segment(c, segment_start[seg], segment_start[seg + 1] - segment_start[seg], out, scratch, part,
+                           max_splits);
+        free(part);
+        for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
+    }
+}
+
 /* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer
    [num_slots, num_kv_heads, head_dim]; kv_indices [B, L] int64; mask [B, Q, L] bool;
    row_batch/row_query [T] int32; out [T, num_heads * head_dim]. dtype (q and out) and kv_dtype
    (K/V, the cache's `--kv-cache-dtype`): 0 float32, 1 bfloat16. Returns 0, or -1 for shapes it
    does not take.
-   Work is shared two ways, with the same bits: rows too few to keep the threads busy go as
-   tasks of one row, one KV head and one key split each, merged after; otherwise a task is a
-   segment of consecutive rows of one request (at most ROW_BLOCK) with all its heads and splits. */
+   Work is shared two ways, with the same bits: rows of few requests (a decode step, a verify)
+   go as tasks of a segment of rows, one KV head and one key split each, merged after;
+   otherwise a task is a segment of consecutive rows of one request with all its heads and
+   splits. */
 int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
                    const int64_t *kv_indices, const uint8_t *mask,
                    const int32_t *row_batch, const int32_t *row_query,
@@ -524,58 +596,21 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
                         row_batch, row_query, L, Q, num_heads, num_kv_heads, group, head_dim,
                         (head_dim + 15) / 16 * 16, dtype == DTYPE_BF16, is_bf16};
     const int max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
-    const long pf = partial_floats(group, head_dim);
-    if (T < 2 * nthreads) {     /* few rows: a task per row, KV head and split */
-        float *part = (float *)malloc((size_t)T * num_kv_heads * max_splits * pf * sizeof(float));
-        const long tasks = (long)T * num_kv_heads * max_splits;
-        #pragma omp parallel num_threads(nthreads)
-        {
-            row_scratch scratch;
-            scratch_alloc(&scratch, L, num_heads, group, c.hd16);
-            int loaded = -1;                /* the row whose keys and queries scratch holds */
-            /* splits outermost: the threads work on the same K/V rows at the same time */
-            #pragma omp for schedule(dynamic, 1)
-            for (long task = 0; task < tasks; task++) {
-                const int split = (int)(task / ((long)T * num_kv_heads));
-                const int t = (int)(task / num_kv_heads % T), h = (int)(task % num_kv_heads);
-                if (t != loaded) {
-                    gather_rows(&c, t, 1, &scratch);
-                    load_queries(&c, t, 1, &scratch);
-                    loaded = t;
-                }
-                attend_split(&c, 1, h, split, 0, &scratch, part + (((long)t * num_kv_heads + h) * max_splits + split) * pf,
-                             pf);
-            }
-            #pragma omp for schedule(static)
-            for (long th = 0; th < (long)T * num_kv_heads; th++)
-                merge_splits(&c, (int)(th / num_kv_heads), (int)(th % num_kv_heads), part + th * max_splits * pf, pf,
-                             max_splits, out);
-            scratch_free(&scratch);
-        }
-        free(part);
-        return 0;
-    }
-    const int block = (T + nthreads - 1) / nthreads > ROW_BLOCK ? ROW_BLOCK : (T + nthreads - 1) / nthreads;
-    int *segment_start = (int *)malloc((size_t)(T + 1) * sizeof(int)), num_segments = 0;
-    for (int t = 0; t < T; t++)
-        if (t == 0 || row_batch[t] != row_batch[t - 1] || t - segment_start[num_segments - 1] == block)
-            segment_start[num_segments++] = t;
-    segment_start[num_segments] = T;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        row_scratch scratch[ROW_BLOCK];
-        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], L, num_heads, group, c.hd16);
-        float *part = (float *)malloc((size_t)block * num_kv_heads * max_splits * pf * sizeof(float));
-        /* dynamic: requests' key counts differ (a batch of 32 mixed prompts: -5% against
-           contiguous static halves); a task writes only its own rows, so bits do not depend on
-           which thread takes it */
-        #pragma omp for schedule(dynamic, 1)
-        for (long seg = 0; seg < num_segments; seg++)
-            attend_segment(&c, segment_start[seg], segment_start[seg + 1] - segment_start[seg], out, scratch, part,
-                           max_splits);
-        free(part);
-        for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
-    }
+    int *segment_start = (int *)malloc((size_t)(T + 1) * sizeof(int));
+    /* Tasks of a segment, KV head and split for rows too few to share out (a decode step: a
+       row a segment) and for a verify on a long context (ROW_BLOCK rows a segment, splits
+       enough to keep the threads even); otherwise a task per segment, sized to share the rows
+       out (a verify on a short context: 3 KV heads do not split evenly over 2 threads) */
+    const int segments_of_block = count_segments(row_batch, T, ROW_BLOCK, NULL);
+    const int per_thread = (T + nthreads - 1) / nthreads;
+    const int by_split = T < 2 * nthreads || (segments_of_block < nthreads &&
+                         (long)segments_of_block * num_kv_heads * max_splits >= 8L * nthreads);
+    const int block = T < 2 * nthreads ? 1 : by_split || per_thread > ROW_BLOCK ? ROW_BLOCK : per_thread;
+    const int num_segments = count_segments(row_batch, T, block, segment_start);
+    if (by_split)
+        attend_by_split(&c, segment_start, num_segments, block, max_splits, out, nthreads);
+    else
+        attend_by_segment(&c, segment_start, num_segments, block, max_splits, out, nthreads);
     free(segment_start);
     return 0;
 }

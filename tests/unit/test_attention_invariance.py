@@ -142,3 +142,24 @@ def test_thread_count_does_not_change_bits(prefix):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone():
+    """8 chained rows over 2,100 keys: the kernel shares such a verify out by KV head and key
+    split; each row must still get the bits of its plain decode step."""
+    cache = _cache(torch.float32)
+    n, prefix = 8, 2100
+    q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
+    k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
+    slots = list(range(100, 100 + prefix + n))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)            # the tests' one thread would take the rows as one segment
+        verify = _attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:])
+        for i in range(n):
+            alone = _attend(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], [prefix + i], [1],
+                            [slots[:prefix + i + 1]], [slots[prefix + i]])
+            assert torch.equal(alone, verify[i:i + 1]), f"row {i} differs from its decode alone"
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(_attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:]), verify)
