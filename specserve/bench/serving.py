@@ -58,11 +58,15 @@ QUANTIZATION_CHOICES = ("unquant", "gguf", "w8a8_int8")
 
 
 def add_quantization_argument(parser: argparse.ArgumentParser, what: str = "the engine's") -> None:
-    """``--quantization``, as launch_server takes it, for a benchmark's engines."""
+    """``--quantization`` and ``--kv-cache-dtype``, as launch_server takes them, for a benchmark's
+    engines (``engine_kwargs`` passes the second; the first is passed by each caller)."""
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                         help=f"{what} linear path: gguf = integer kernels on the GGUF blocks (what `make serve` "
                              "runs), unquant = exact float, w8a8_int8 = float weights rounded to Q8_0 blocks "
                              "(default: the engine's default)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=("auto", "bf16", "bfloat16"),
+                        help=f"{what} KV cache: auto = the model's dtype, bf16 = half the bytes to read per "
+                             "key (default: the engine's default)")
 
 
 def engine_kwargs(args: argparse.Namespace, dtype: str, *, disable_radix_cache: bool = False,
@@ -71,7 +75,8 @@ def engine_kwargs(args: argparse.Namespace, dtype: str, *, disable_radix_cache: 
     kwargs: dict[str, Any] = {"model_path": args.model_path, "dtype": dtype, "device": args.device,
                               "context_length": args.context_length,
                               "max_total_tokens": args.max_total_tokens or max_total_tokens,
-                              "disable_radix_cache": disable_radix_cache}
+                              "disable_radix_cache": disable_radix_cache,
+                              "kv_cache_dtype": getattr(args, "kv_cache_dtype", None)}
     kwargs.update({k: v for k, v in extra.items() if v is not None})
     return {k: v for k, v in kwargs.items() if v is not None}
 

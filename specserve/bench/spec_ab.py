@@ -53,6 +53,8 @@ def main() -> None:
     args = _args()
     kw = dict(model_path=args.model_path, dtype=args.dtype, max_total_tokens=16384, context_length=2048,
               max_running_requests=max(16, args.batch_size), quantization=args.quantization)
+    if args.kv_cache_dtype:
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     plain, spec = Engine(**kw), Engine(**kw, **json.loads(args.spec))
     tok = plain.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in _texts(args)]

@@ -517,6 +517,14 @@ static int count_segments(const int32_t *row_batch, int T, int block, int *start
     return n;
 }
 
+/* merge_splits for every row of segment seg, KV head h (partials from part, row by row) */
+static void merge_rows(const att_call *c, const int *segment_start, int seg, int h, const float *part,
+                       long split_stride, int num_splits, void *out) {
+    const long pf = partial_floats(c->group, c->head_dim);
+    for (int t = segment_start[seg]; t < segment_start[seg + 1]; t++)
+        merge_splits(c, t, h, part + (t - segment_start[seg]) * pf, split_stride, num_splits, out);
+}
+
 /* tasks of one segment, KV head and split (splits outermost: the threads work on the same K/V
    rows at the same time), then each row's splits merged */
 static void attend_by_split(const att_call *c, const int *segment_start, int num_segments, int block,
@@ -539,15 +547,16 @@ static void attend_by_split(const att_call *c, const int *segment_start, int num
                 load_queries(c, t0, rows, scratch);
                 loaded = seg;
             }
-            attend_split(c, rows, h, split, shared, scratch,
-                         part + (((long)seg * c->num_kv_heads + h) * max_splits + split) * per_split, pf);
+            float *task_part = part + (((long)seg * c->num_kv_heads + h) * max_splits + split) * per_split;
+            attend_split(c, rows, h, split, shared, scratch, task_part, pf);
+            if (max_splits == 1)             /* the task holds every split: no second pass */
+                merge_rows(c, segment_start, seg, h, task_part, per_split, 1, out);
         }
-        #pragma omp for schedule(static)
-        for (long sh = 0; sh < per_head; sh++) {
-            const int seg = (int)(sh / c->num_kv_heads), h = (int)(sh % c->num_kv_heads);
-            for (int t = segment_start[seg]; t < segment_start[seg + 1]; t++)
-                merge_splits(c, t, h, part + sh * max_splits * per_split + (t - segment_start[seg]) * pf, per_split,
-                             max_splits, out);
+        if (max_splits > 1) {
+            #pragma omp for schedule(static)
+            for (long sh = 0; sh < per_head; sh++)
+                merge_rows(c, segment_start, (int)(sh / c->num_kv_heads), (int)(sh % c->num_kv_heads),
+                           part + sh * max_splits * per_split, per_split, max_splits, out);
         }
         for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
