@@ -526,12 +526,14 @@ static void merge_rows(const att_call *c, const int *segment_start, int seg, int
 }
 
 /* tasks of one segment, KV head and split (splits outermost: the threads work on the same K/V
-   rows at the same time), then each row's splits merged */
+   rows at the same time); the task that finishes a (segment, head)'s last split merges its rows
+   (a counter per pair, acquire-release: it sees every other split's partials; no barrier) */
 static void attend_by_split(const att_call *c, const int *segment_start, int num_segments, int block,
                             int max_splits, void *out, int nthreads) {
     const long pf = partial_floats(c->group, c->head_dim), per_split = (long)block * pf;
     const long per_head = (long)num_segments * c->num_kv_heads;
     float *part = (float *)malloc((size_t)per_head * max_splits * per_split * sizeof(float));
+    int *splits_done = (int *)calloc((size_t)per_head, sizeof(int));
     #pragma omp parallel num_threads(nthreads)
     {
         row_scratch scratch[ROW_BLOCK];
@@ -539,27 +541,23 @@ static void attend_by_split(const att_call *c, const int *segment_start, int num
         int loaded = -1, shared = 0;         /* the segment whose keys and queries scratch holds */
         #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < per_head * max_splits; task++) {
-            const int split = (int)(task / per_head), seg = (int)(task % per_head / c->num_kv_heads);
-            const int h = (int)(task % c->num_kv_heads);
+            const int split = (int)(task / per_head);
+            const long sh = task % per_head;              /* segment * num_kv_heads + head */
+            const int seg = (int)(sh / c->num_kv_heads), h = (int)(sh % c->num_kv_heads);
             const int t0 = segment_start[seg], rows = segment_start[seg + 1] - t0;
             if (seg != loaded) {
                 shared = gather_rows(c, t0, rows, scratch);
                 load_queries(c, t0, rows, scratch);
                 loaded = seg;
             }
-            float *task_part = part + (((long)seg * c->num_kv_heads + h) * max_splits + split) * per_split;
-            attend_split(c, rows, h, split, shared, scratch, task_part, pf);
-            if (max_splits == 1)             /* the task holds every split: no second pass */
-                merge_rows(c, segment_start, seg, h, task_part, per_split, 1, out);
-        }
-        if (max_splits > 1) {
-            #pragma omp for schedule(static)
-            for (long sh = 0; sh < per_head; sh++)
-                merge_rows(c, segment_start, (int)(sh / c->num_kv_heads), (int)(sh % c->num_kv_heads),
-                           part + sh * max_splits * per_split, per_split, max_splits, out);
+            float *pair_part = part + sh * max_splits * per_split;
+            attend_split(c, rows, h, split, shared, scratch, pair_part + split * per_split, pf);
+            if (__atomic_add_fetch(&splits_done[sh], 1, __ATOMIC_ACQ_REL) == max_splits)
+                merge_rows(c, segment_start, seg, h, pair_part, per_split, max_splits, out);
         }
         for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
+    free(splits_done);
     free(part);
 }
 
