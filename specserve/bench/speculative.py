@@ -5,9 +5,10 @@ One Engine per configuration (plain first), the same engine settings otherwise; 
 down before the next is built. Prompts run category by category (a category = a prompt file).
 Per configuration, per category and overall: generated tokens/s, speedup vs plain, accept
 length (per-request ``spec_accept_length`` weighted by ``spec_verify_ct``), the accept-length
-histogram when the engine reports one, and how many outputs equal plain decoding's. With ``--llama-cpp``, llama.cpp runs beside them on
-the same GGUF, prompt ids and threads, in the same turns: plain, and with its own speculation by
-prompt lookup (its outputs are compared with llama.cpp's plain ones).
+histogram when the engine reports one, and how many outputs equal plain decoding's. With
+``--llama-cpp``, llama.cpp runs beside them on the same GGUF, prompt ids and threads, in the same
+turns: plain, and with its own speculation by prompt lookup (its outputs are compared with
+llama.cpp's plain ones).
 """
 from __future__ import annotations
 
