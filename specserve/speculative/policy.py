@@ -106,28 +106,48 @@ class CostCurve:
         return ", ".join(f"{w}:{t * 1e3:.1f}ms" for w, t in zip(self.widths, self.seconds))
 
 
+COST_ROUNDS = 3     # rounds over the widths when measuring a cost curve
+
+
 def measure_cost_curve(forward: Callable[[int], None], required: Sequence[int], optional: Sequence[int],
-                       budget_s: float, sync: Callable[[], None] = lambda: None) -> CostCurve:
-    """Time ``forward(w)`` (min of two runs) for the required widths, then optional ones
-    while the time budget lasts (a width is skipped if its predicted time would overrun)."""
+                       budget_s: float, sync: Callable[[], None] = lambda: None,
+                       rounds: int = COST_ROUNDS) -> CostCurve:
+    """Time ``forward(w)`` for the required widths, then optional ones while the time budget
+    lasts (a width is skipped if its predicted runs would overrun). Widths up to the widest
+    required one, the verify widths, are timed in ``rounds`` interleaved rounds, each keeping
+    its fastest run; wider ones (prefill-sized) twice in a row. Interleaving matters on a
+    machine whose speed drifts: timed one width after another, a slow spell skews the curve's
+    shape (W=8 / W=1 read 2.2-3.2 in one engine of one VM, 2.3-2.8 in rounds), and the policy
+    follows that shape for the process's life."""
     start = time.perf_counter()
     forward(required[0])          # warm-up
     sync()
-    timed: dict[int, float] = {}
-    for width in list(required) + list(optional):
-        if width not in required:
-            predicted = 2 * CostCurve(sorted(timed), [timed[w] for w in sorted(timed)])(width)
-            if time.perf_counter() - start + predicted > budget_s:
-                continue
-        runs = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            forward(width)
-            sync()
-            runs.append(time.perf_counter() - t0)
-        timed[width] = min(runs)
-    widths = sorted(timed)
-    return CostCurve(widths, _monotone([timed[w] for w in widths]))
+    timed = {width: _time_forward(forward, width, sync) for width in required}
+    narrow = list(required)
+    for width in optional:
+        is_narrow = width <= max(required)
+        runs = rounds if is_narrow else 2
+        rest = (rounds - 1) * sum(timed[w] for w in narrow)
+        predicted = runs * CostCurve(sorted(timed), [timed[w] for w in sorted(timed)])(width)
+        if time.perf_counter() - start + predicted + rest > budget_s:
+            continue
+        timed[width] = _time_forward(forward, width, sync)
+        if is_narrow:
+            narrow.append(width)
+        else:
+            timed[width] = min(timed[width], _time_forward(forward, width, sync))
+    for _ in range(rounds - 1):
+        for width in narrow:
+            timed[width] = min(timed[width], _time_forward(forward, width, sync))
+    ordered = sorted(timed)
+    return CostCurve(ordered, _monotone([timed[w] for w in ordered]))
+
+
+def _time_forward(forward: Callable[[int], None], width: int, sync: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    forward(width)
+    sync()
+    return time.perf_counter() - t0
 
 
 def _monotone(seconds: list[float]) -> list[float]:

@@ -310,3 +310,21 @@ def test_busy_server_probes_rarely_and_says_so_in_advance():
                 probes += 1
                 policy.observe(state, 0, 3)
     assert probes >= 1 and gated > 400, (probes, gated)
+
+
+def test_measure_cost_curve_is_not_skewed_by_a_slow_spell(monkeypatch):
+    """A machine three times slower for the first few forwards: one width timed after another,
+    the spell would fall on the narrow widths only and flatten the curve; timed in rounds, every
+    width keeps a clean run. (A fake clock that each forward advances by width ms.)"""
+    from specserve.speculative import policy as policy_module
+
+    clock = {"now": 0.0, "calls": 0}
+
+    def forward(width):
+        clock["calls"] += 1
+        clock["now"] += width * 1e-3 * (3.0 if 2 <= clock["calls"] <= 5 else 1.0)
+
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: clock["now"])
+    curve = measure_cost_curve(forward, [1, 3, 4, 16], [8], budget_s=10.0)
+    assert curve.widths == [1, 3, 4, 8, 16]
+    assert [round(t * 1e3, 6) for t in curve.seconds] == [1.0, 3.0, 4.0, 8.0, 16.0]
