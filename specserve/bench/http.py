@@ -292,9 +292,7 @@ def llama_cpp_peer(args, id_lists) -> dict[str, Any] | None:
     reason = llama_peer.skip_reason(args.model_path)
     if reason:
         return {"skipped": reason}
-    import torch
-
-    threads = args.threads or torch.get_num_threads()
+    threads = llama_peer.threads_for(args)
     llm = llama_peer.load(args.model_path, threads, args.context_length)
     llama_peer.generate(llm, id_lists[0], 8)
     rates = []

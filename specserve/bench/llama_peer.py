@@ -26,6 +26,13 @@ def version() -> str | None:
     return getattr(llama_cpp, "__version__", None)
 
 
+def threads_for(args: Any) -> int:
+    """The threads llama.cpp gets: the bench's --threads, else torch's (what our engines use)."""
+    import torch
+
+    return args.threads or torch.get_num_threads()
+
+
 def load(model_path: Any, threads: int, context_length: int, lookup_tokens: int | None = None):
     """A ``Llama`` on ``model_path``; with ``lookup_tokens``, drafting that many tokens a step by
     prompt lookup (llama-cpp-python's default n-gram size, 2)."""

@@ -210,9 +210,7 @@ def _load_peers(args) -> list[tuple[str, Any]]:
         raise ValueError("--llama-cpp runs batch 1 only (drop --batch-size)")
     if args.llama_lookup_tokens < 1:
         raise ValueError("--llama-lookup-tokens must be >= 1")
-    import torch
-
-    threads = args.threads or torch.get_num_threads()
+    threads = llama_peer.threads_for(args)
     context = args.context_length
     peers = [("llama.cpp", llama_peer.load(args.model_path, threads, context)),
              (f"llama.cpp lookup {args.llama_lookup_tokens}",

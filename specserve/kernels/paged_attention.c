@@ -482,6 +482,13 @@ static void merge_splits(const att_call *c, int t, int h, const float *part, lon
     for (int i = 0; i < group * head_dim; i++) set_elem(out, out_off + i, res[i], c->q_bf16);
 }
 
+/* merge_splits for rows t0 .. t0 + rows - 1 and KV head h (their partials from part, row by row) */
+static void merge_rows(const att_call *c, int t0, int rows, int h, const float *part, long split_stride,
+                       int num_splits, void *out) {
+    const long pf = partial_floats(c->group, c->head_dim);
+    for (int r = 0; r < rows; r++) merge_splits(c, t0 + r, h, part + r * pf, split_stride, num_splits, out);
+}
+
 /* rows t0 .. t0 + rows - 1 (one request) against every KV head, split by split (the heads of a
    split in turn: they share the K/V rows' cache lines), merged. part: rows * num_kv_heads *
    max_splits partials of scratch. */
@@ -500,8 +507,7 @@ static void attend_segment(const att_call *c, int t0, int rows, void *out, row_s
         for (int h = 0; h < c->num_kv_heads; h++)
             attend_split(c, rows, h, split, shared, s, part + split * split_stride + (long)h * rows * pf, pf);
     for (int h = 0; h < c->num_kv_heads; h++)
-        for (int r = 0; r < rows; r++)
-            merge_splits(c, t0 + r, h, part + ((long)h * rows + r) * pf, split_stride, splits, out);
+        merge_rows(c, t0, rows, h, part + (long)h * rows * pf, split_stride, splits, out);
 }
 
 /* segments of consecutive rows of one request, at most `block` rows each: their count, and
@@ -515,14 +521,6 @@ static int count_segments(const int32_t *row_batch, int T, int block, int *start
         }
     if (start) start[n] = T;
     return n;
-}
-
-/* merge_splits for every row of segment seg, KV head h (partials from part, row by row) */
-static void merge_rows(const att_call *c, const int *segment_start, int seg, int h, const float *part,
-                       long split_stride, int num_splits, void *out) {
-    const long pf = partial_floats(c->group, c->head_dim);
-    for (int t = segment_start[seg]; t < segment_start[seg + 1]; t++)
-        merge_splits(c, t, h, part + (t - segment_start[seg]) * pf, split_stride, num_splits, out);
 }
 
 /* tasks of one segment, KV head and split (splits outermost: the threads work on the same K/V
@@ -553,7 +551,7 @@ static void attend_by_split(const att_call *c, const int *segment_start, int num
             float *pair_part = part + sh * max_splits * per_split;
             attend_split(c, rows, h, split, shared, scratch, pair_part + split * per_split, pf);
             if (__atomic_add_fetch(&splits_done[sh], 1, __ATOMIC_ACQ_REL) == max_splits)
-                merge_rows(c, segment_start, seg, h, pair_part, per_split, max_splits, out);
+                merge_rows(c, t0, rows, h, pair_part, per_split, max_splits, out);
         }
         for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
