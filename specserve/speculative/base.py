@@ -117,8 +117,9 @@ class Proposer:
     def on_accepted(self, engine, items: list, trees: list[DraftTree], results: list[AcceptResult]) -> None:
         """After verification and KV compaction: the accepted path of every item's tree."""
 
-    def draft_cost(self, batch_size: int) -> float:
-        """Estimated seconds of one ``propose`` over ``batch_size`` requests."""
+    def draft_cost(self, batch_size: int, max_nodes: int) -> float:
+        """Estimated seconds of one ``propose`` over ``batch_size`` requests whose largest tree
+        may have ``max_nodes`` nodes."""
         return 0.0
 
     def max_depth(self, max_nodes: int) -> int:
@@ -146,7 +147,7 @@ def create_spec_worker(ctx: ProposerContext) -> "SpecWorker":
     logger.info("speculative %s: S=%d K=%d N=%d; verify cost %s; draft cost(1)=%.1fms; speculation "
                 "on up to batch size %d at accept len %.1f (startup timing %.2fs)", ctx.params.algorithm,
                 ctx.params.num_steps, ctx.params.topk, ctx.params.num_draft_tokens, curve.describe(),
-                proposer.draft_cost(1) * 1e3, policy.max_batch_size(), policy.alpha,
+                proposer.draft_cost(1, ctx.params.num_draft_tokens) * 1e3, policy.max_batch_size(), policy.alpha,
                 time.perf_counter() - t0)
     logger.info("%s", describe_policy(ctx.params.policy, policy))
     return SpecWorker(ctx.params, proposer, policy)

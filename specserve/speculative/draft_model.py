@@ -111,8 +111,9 @@ class DraftModelProposer(MirroredDraftProposer):
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
         root_logits = self._catch_up(engine, items)                                   # [bs, V_draft]
         pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk, self.token_map)
-        if self.num_steps > 1:
-            pool = self._grow(engine, items, pool, frontier)
+        steps = self.draft_steps(max(max_nodes))
+        if steps > 1:
+            pool = self._grow(engine, items, pool, frontier, steps)
         roots = torch.tensor([tail_ids(item.req, 1)[0] for item in items])
         tokens, parents = (x.cpu() for x in dt.rerank(pool, roots, self.ctx.params.num_draft_tokens))
         for item in items:
@@ -138,17 +139,17 @@ class DraftModelProposer(MirroredDraftProposer):
             state.draft_len = req.seq_len
         return self.runner.forward(specs)
 
-    def _grow(self, engine, items: list, pool: dt.TreePool, frontier: dt.Frontier) -> dt.TreePool:
-        """Draft steps 1 .. S-1: forward the frontier, expand it by top-K."""
+    def _grow(self, engine, items: list, pool: dt.TreePool, frontier: dt.Frontier, steps: int) -> dt.TreePool:
+        """Draft steps 1 .. steps-1: forward the frontier, expand it by top-K."""
         bs, k = len(items), self.topk
         self._copy_base_rows(engine, items, max(item.req.seq_len for item in items))
         paths = [[[] for _ in range(k)] for _ in range(bs)]      # ancestors' scratch slots per node
         tokens = frontier.tokens.cpu().tolist()                  # host copy: ExtendSpec takes lists
-        for step in range(1, self.num_steps):
+        for step in range(1, steps):
             logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths))
             logprobs = torch.log_softmax(logits.float(), dim=-1).view(bs, k, -1)   # [bs, K, V_draft]
             pool, frontier = dt.expand_step(pool, frontier, logprobs, k, self.token_map)
-            if step + 1 < self.num_steps:
+            if step + 1 < steps:
                 tokens, parent_slot = torch.stack([frontier.tokens, frontier.parent_slot]).cpu().tolist()
                 paths = [[paths[b][p] + [self._scratch(b, step, p)] for p in parent_slot[b]]
                          for b in range(bs)]

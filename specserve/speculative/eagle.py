@@ -100,16 +100,18 @@ class EagleProposer(MirroredDraftProposer):
     def _propose_chains(self, engine, items: list, max_nodes: list[int], root_hidden: Tensor,
                         root_logits: Tensor) -> list[DraftTree]:
         """K == 1: each step's most likely token; the tree is the chain's first N - 1 tokens
-        (what ``dt.rerank`` picks from a chain, whose scores only fall), without the scores."""
+        (what ``dt.rerank`` picks from a chain, whose scores only fall), without the scores.
+        Only the steps the longest tree keeps are drafted (``draft_steps``)."""
         chain = [self._draft_ids(root_logits)]
         hidden, paths = root_hidden, [[[]] for _ in items]
-        for step in range(1, self.num_steps):
+        steps = self.draft_steps(max(max_nodes))
+        for step in range(1, steps):
             tokens = [[t] for t in chain[-1].tolist()]
             out, logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
             chain.append(self._draft_ids(logits))
             hidden = out
             paths = [[path[0] + [self._scratch(b, step, 0)]] for b, path in enumerate(paths)]
-        length = min(self.params.num_draft_tokens - 1, self.num_steps)
+        length = min(self.params.num_draft_tokens - 1, steps)
         chains = torch.stack(chain[:length], dim=1).cpu()                            # [bs, length]
         parents = torch.arange(-1, length)
         for item in items:

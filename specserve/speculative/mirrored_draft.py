@@ -72,6 +72,16 @@ class MirroredDraftProposer(Proposer):
     def max_depth(self, max_nodes: int) -> int:
         return min(self.num_steps, max_nodes - 1)
 
-    def draft_cost(self, batch_size: int) -> float:
-        """Catch-up (about 2 tokens per request) plus S - 1 frontier forwards of K tokens each."""
-        return self.cost(2 * batch_size) + (self.num_steps - 1) * self.cost(batch_size * self.topk)
+    def draft_steps(self, max_nodes: int) -> int:
+        """Draft forwards a propose runs for trees of at most ``max_nodes`` nodes: a chain (K = 1)
+        only those of the tokens it keeps (its first n - 1 tokens do not depend on the steps
+        after them); a tree all S (rerank chooses among every step's nodes)."""
+        if self.topk > 1:
+            return self.num_steps
+        return max(1, min(self.num_steps, max_nodes - 1))
+
+    def draft_cost(self, batch_size: int, max_nodes: int) -> float:
+        """Catch-up (about 2 tokens per request) plus a frontier forward of K tokens each for
+        the draft steps after the first."""
+        steps = self.draft_steps(max_nodes)
+        return self.cost(2 * batch_size) + (steps - 1) * self.cost(batch_size * self.topk)

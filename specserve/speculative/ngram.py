@@ -55,7 +55,7 @@ class NgramProposer(Proposer):
             state.suffix_keys = self.cache.insert_incremental(context, len(tokens), state.suffix_keys)
             state.num_fed = req.seq_len + len(tokens)
 
-    def draft_cost(self, batch_size: int) -> float:
+    def draft_cost(self, batch_size: int, max_nodes: int) -> float:
         return batch_size * self.seconds_per_request
 
     def _feed(self, req: Request) -> None:

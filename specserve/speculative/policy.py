@@ -179,9 +179,11 @@ class StepCost:
     """Predicted seconds of one decode step with ``bs`` requests, ``width`` tokens, the widest
     request ``max_q`` tokens and ``k`` drafting requests:
 
-        scale * c(width) + pad * (bs * max_q - width) + [k > 0] * (d(k) + overhead)
+        scale * c(width) + pad * (bs * max_q - width) + [k > 0] * (d(k, max_q) + overhead)
 
-    ``c`` is the startup curve (one request of ``width`` tokens); ``scale`` corrects it
+    ``c`` is the startup curve (one request of ``width`` tokens), ``d(k, n)`` the proposer's
+    drafting time for k requests whose largest tree has n nodes (a chain drafts only the tokens
+    it keeps, so short trees draft less); ``scale`` corrects it
     for batches of one-token requests (EMA over plain steps), ``pad`` is the cost per
     padded query row (attention pads every request to the widest one: ``bs * max_q -
     width`` rows; EMA over padded speculative steps, prior PAD_PRIOR * the curve's slope).
@@ -192,21 +194,21 @@ class StepCost:
     policy kept speculating at 0.85x plain decoding. All three learn online from the step
     times the worker reports."""
 
-    def __init__(self, curve: CostCurve, draft_cost: Callable[[int], float]) -> None:
+    def __init__(self, curve: CostCurve, draft_cost: Callable[[int, int], float]) -> None:
         self.curve, self.draft_cost = curve, draft_cost
         self.scale = 1.0
         self.pad = PAD_PRIOR * curve.slope()
         self.overhead = 0.0
 
     def __call__(self, bs: int, width: int, max_q: int, num_drafting: int) -> float:
-        draft = self.draft_cost(num_drafting) + self.overhead if num_drafting else 0.0
+        draft = self.draft_cost(num_drafting, max_q) + self.overhead if num_drafting else 0.0
         return self.scale * self.curve(width) + self.pad * (bs * max_q - width) + draft
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
         if max_q <= 1:
             self.scale += COST_EMA_WEIGHT * (seconds / self.curve(bs) - self.scale)
             return
-        residual = seconds - self.scale * self.curve(width) - self.draft_cost(num_drafting)
+        residual = seconds - self.scale * self.curve(width) - self.draft_cost(num_drafting, max_q)
         if bs * max_q == width:       # no padding (one request, or equal widths)
             self.overhead += COST_EMA_WEIGHT * (residual - self.overhead)
             return
@@ -223,7 +225,7 @@ def expected_tokens(rate: float, depth: int) -> float:
 class SpecPolicy:
     """Chooses, per step, which requests speculate (see the module docstring)."""
 
-    def __init__(self, target_cost: CostCurve, draft_cost: Callable[[int], float],
+    def __init__(self, target_cost: CostCurve, draft_cost: Callable[[int, int], float],
                  num_draft_tokens: int, *, is_always: bool = False) -> None:
         self.cost = StepCost(target_cost, draft_cost)
         self.is_always = is_always      # speculate for every request (tests, accept-length benchmarks)

@@ -119,3 +119,41 @@ def test_greedy_equals_plain_when_every_other_step_decodes_plainly(tiny, algo):
     assert _staggered(spec_engine, prompts) == plain
     assert worker.num_plain_steps > 0 and worker.num_drafted_steps > 0
     assert spec_engine.engine.stats.spec_verify_ct > 0
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_short_chains_draft_only_the_tokens_they_keep(tiny, algo):
+    """Chains sized down to 2 or 3 nodes (as the policy sizes them for requests that accept
+    little) run 1 or 2 head forwards of the 3 steps, not all 3, and greedy output still equals
+    plain decoding."""
+    prompts = _random_prompts(6, seed=5)
+    model, kwargs = _spec(tiny, algo, "chain")
+    plain = _staggered(_engine(model), prompts)
+    spec_engine = _engine(model, **kwargs)
+    worker = spec_engine.engine.spec_worker
+    proposer, select = worker.proposer, worker.policy.select
+    sizes, forwards, drafted = iter([2, 3] * 10_000), [0], []
+
+    def short_chains(states, caps, depth_caps):
+        return [min(n, next(sizes)) if n > 1 else 1 for n in select(states, caps, depth_caps)]
+
+    def counting(forward):
+        def run(*args, **kwargs):
+            forwards[0] += 1
+            return forward(*args, **kwargs)
+        return run
+
+    def recording(propose):
+        def run(engine, items, max_nodes):
+            before = forwards[0]
+            trees = propose(engine, items, max_nodes)
+            drafted.append((max(max_nodes), forwards[0] - before, max(t.num_nodes for t in trees)))
+            return trees
+        return run
+
+    worker.policy.select = short_chains
+    proposer.runner.forward = counting(proposer.runner.forward)
+    proposer.propose = recording(proposer.propose)
+    assert _staggered(spec_engine, prompts) == plain
+    assert {cap for cap, _, _ in drafted} == {2, 3}
+    assert all(num_forwards == cap - 1 and nodes <= cap for cap, num_forwards, nodes in drafted)

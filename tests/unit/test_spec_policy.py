@@ -27,13 +27,13 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 
 def test_speculates_when_small_batch_and_good_acceptance():
-    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
     assert policy.select(_states(1, 0.8), [4], [3]) == [4]
     assert policy.select(_states(4, 0.8), [4] * 4, [3] * 4) == [4] * 4
 
 
 def test_busy_server_falls_back_to_plain():
-    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 0.0, num_draft_tokens=12)
     sizes = policy.select(_states(64, 0.5), [12] * 64, [11] * 64)
     assert sizes.count(12) < 64 and set(sizes) <= {1, 12}
     assert policy.select(_states(256, 0.5), [12] * 256, [11] * 256) == [1] * 256
@@ -41,27 +41,27 @@ def test_busy_server_falls_back_to_plain():
 
 
 def test_compute_bound_needs_high_acceptance():
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
     assert policy.select(_states(1, 0.3), [4], [3]) == [1]   # c(4) = 2 c(1) > 1.42 c(1)
     assert policy.select(_states(1, 0.8), [4], [3]) == [4]
 
 
 def test_best_requests_speculate_first():
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
     states = _states(4, 0.05)
     states[2] = _state(0.95)
     assert policy.select(states, [4] * 4, [3] * 4) == [1, 1, 4, 1]
 
 
 def test_draft_cost_counts():
-    free = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
-    costly = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 30.0 * k, num_draft_tokens=4)
+    free = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
+    costly = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 30.0 * k, num_draft_tokens=4)
     assert free.select(_states(1, 0.5), [4], [3]) == [4]
     assert costly.select(_states(1, 0.5), [4], [3]) == [1]
 
 
 def test_root_only_trees_never_count():
-    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
     assert policy.select(_states(2, 0.8), [1, 4], [0, 3]) == [1, 4]
 
 
@@ -69,7 +69,7 @@ def test_probe_backoff_doubles_and_caps(monkeypatch):
     import specserve.speculative.policy as policy_module
 
     monkeypatch.setattr(policy_module, "PROBE_BUDGET", (1.0, 1.0))     # credit is never the limit here
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
     state = _state(0.0, backoff=0)
     sizes = [policy.select([state], [12], [11])[0] for _ in range(300)]
     probes = [i for i, n in enumerate(sizes) if n > 1]
@@ -81,7 +81,7 @@ def test_probe_backoff_doubles_and_caps(monkeypatch):
 def test_probes_spend_a_bounded_share_of_step_time():
     from specserve.speculative.policy import PROBE_BUDGET
 
-    policy = SpecPolicy(CostCurve([1, 256, 1024], [10.0, 10.5, 40.0]), lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(CostCurve([1, 256, 1024], [10.0, 10.5, 40.0]), lambda k, n: 0.0, num_draft_tokens=12)
     states = [_state(0.0, backoff=0) for _ in range(16)]
     extra = plain = 0.0
     for _ in range(2000):
@@ -96,7 +96,7 @@ def test_probes_spend_a_bounded_share_of_step_time():
 
 
 def test_step_cost_learns_scale_and_padding():
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=12)
     for _ in range(100):
         policy.observe_step([1] * 16, 2 * LINEAR(16))                  # batches cost twice the curve
     assert abs(policy.cost.scale - 2.0) < 0.01
@@ -108,13 +108,13 @@ def test_step_cost_learns_scale_and_padding():
 
 
 def test_no_probe_when_even_full_acceptance_cannot_pay():
-    policy = SpecPolicy(LINEAR, lambda k: 1000.0, num_draft_tokens=4)
+    policy = SpecPolicy(LINEAR, lambda k, n: 1000.0, num_draft_tokens=4)
     state = RequestPolicyState()
     assert all(policy.select([state], [4], [3])[0] == 1 for _ in range(100))
 
 
 def test_observe_updates_request_and_global_estimates():
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
     state = RequestPolicyState()
     prior = policy.rate(state)
     policy.observe(state, 3, 3)                       # fully accepted: 3 accepted, no rejection
@@ -125,7 +125,7 @@ def test_observe_updates_request_and_global_estimates():
 
 
 def test_small_full_probe_does_not_jump_to_a_deep_tree():
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=12)
     state = RequestPolicyState(accepted=0.3, rejected=3.0, backoff=32)   # recent rejections
     policy.observe(state, 3, 3)
     assert state.backoff == 0
@@ -133,7 +133,7 @@ def test_small_full_probe_does_not_jump_to_a_deep_tree():
 
 
 def test_calibration_corrects_optimistic_predictions():
-    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 0.0, num_draft_tokens=12)
     states = [_state(0.9) for _ in range(4)]
     assert policy.select(states, [12] * 4, [11] * 4) == [12] * 4
     for _ in range(200):                         # the rate says ~6 extra tokens, reality gives 0
@@ -151,7 +151,7 @@ def test_expected_tokens_geometric():
 
 
 def test_always_mode():
-    policy = SpecPolicy(LINEAR, lambda k: 1e9, num_draft_tokens=4, is_always=True)
+    policy = SpecPolicy(LINEAR, lambda k, n: 1e9, num_draft_tokens=4, is_always=True)
     assert policy.select(_states(3, 0.0), [4, 1, 2], [3, 0, 1]) == [4, 1, 2]
 
 
@@ -180,7 +180,7 @@ def test_may_pick_any_bounds_select():
     for trial in range(300):
         bs = rng.choice([1, 2, 4, 8, 16, 32])
         curve = rng.choice([FLAT_THEN_LINEAR, LINEAR])
-        policy = SpecPolicy(curve, lambda k: 0.0, num_draft_tokens=12)
+        policy = SpecPolicy(curve, lambda k, n: 0.0, num_draft_tokens=12)
         states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) for _ in range(bs)]
         for s in states:
             s.num_skipped = rng.randrange(8)
@@ -198,14 +198,14 @@ def test_may_pick_any_bounds_select():
 
 
 def test_may_pick_any_small_batch_yes_busy_server_no():
-    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 0.0, num_draft_tokens=12)
     assert policy.may_pick_any(_states(1, 0.8), [12], [11])
     assert not policy.may_pick_any(_states(256, 0.3), [12] * 256, [11] * 256)
     assert not policy.may_pick_any([RequestPolicyState()] * 4, [12] * 4, [11] * 4)   # no history yet
-    step = SpecPolicy(CostCurve([1, 2, 16], [10.0, 20.0, 20.5]), lambda k: 0.0, num_draft_tokens=12)
+    step = SpecPolicy(CostCurve([1, 2, 16], [10.0, 20.0, 20.5]), lambda k, n: 0.0, num_draft_tokens=12)
     assert step.select(_states(1, 0.8), [12], [11]) == [12]   # only a deep tree pays: the bound sees depth
     assert step.may_pick_any(_states(1, 0.8), [12], [11])
-    assert SpecPolicy(LINEAR, lambda k: 0.0, 12, is_always=True).may_pick_any(_states(64, 0.1), [12] * 64, [11] * 64)
+    assert SpecPolicy(LINEAR, lambda k, n: 0.0, 12, is_always=True).may_pick_any(_states(64, 0.1), [12] * 64, [11] * 64)
 
 
 def test_probe_order_longest_skipped_first():
@@ -219,7 +219,7 @@ def test_probe_order_longest_skipped_first():
 def test_no_probe_where_even_a_fully_accepted_probe_would_not_make_the_tree_pay():
     """At 16 requests on a CPU-like curve a 12-node tree pays only for a request known to be
     very good; one 4-node probe cannot show that, so none is spent (a 1-request batch probes)."""
-    policy = SpecPolicy(CostCurve([1, 16, 64], [14.3, 20.2, 40.8]), lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(CostCurve([1, 16, 64], [14.3, 20.2, 40.8]), lambda k, n: 0.0, num_draft_tokens=12)
     states = [RequestPolicyState(backoff=0) for _ in range(16)]
     assert all(policy.select(states, [12] * 16, [11] * 16) == [1] * 16 for _ in range(50))
     assert policy.select([RequestPolicyState(backoff=0)], [12], [11]) == [PROBE_NODES]
@@ -228,14 +228,14 @@ def test_no_probe_where_even_a_fully_accepted_probe_would_not_make_the_tree_pay(
 def test_tree_size_follows_acceptance_where_verification_is_compute_bound():
     """Steep cost: a request that accepts a lot takes a deeper tree than one that accepts
     little; flat cost (memory-bound verification): both take the whole cap."""
-    steep = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=12)
+    steep = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=12)
     def chain_depth(num_nodes):
         return num_nodes - 1
 
     high = steep.preferred_nodes(_state(0.9), 12, 1, chain_depth)
     low = steep.preferred_nodes(_state(0.3), 12, 1, chain_depth)
     assert 2 <= low < high <= 12
-    flat = SpecPolicy(CostCurve([1, 16], [10.0, 10.0]), lambda k: 0.0, num_draft_tokens=12)
+    flat = SpecPolicy(CostCurve([1, 16], [10.0, 10.0]), lambda k, n: 0.0, num_draft_tokens=12)
     assert flat.preferred_nodes(_state(0.3), 12, 1, chain_depth) == 12
     assert steep.preferred_nodes(RequestPolicyState(), 12, 1, chain_depth) == 12   # no history: the cap
 
@@ -243,7 +243,7 @@ def test_tree_size_follows_acceptance_where_verification_is_compute_bound():
 def test_step_cost_learns_the_overhead_of_speculative_steps():
     """One request whose speculative steps cost 12 ms more than the curve says: the policy learns
     it and stops speculating where the tokens no longer cover it."""
-    policy = SpecPolicy(LINEAR, lambda k: 0.0, num_draft_tokens=4)
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
     states = _states(1, 0.6)
     assert policy.select(states, [4], [3]) == [4]                        # 2.18 tokens / 20 ms
     for _ in range(100):
@@ -270,7 +270,7 @@ def test_may_probe_bounds_the_probe():
         bs = rng.choice([1, 2, 4, 8, 16, 32])
         curve = rng.choice([FLAT_THEN_LINEAR, LINEAR])
         draft_seconds = rng.choice([0.0, 5.0])
-        policy = SpecPolicy(curve, lambda k: draft_seconds, num_draft_tokens=12)
+        policy = SpecPolicy(curve, lambda k, n: draft_seconds, num_draft_tokens=12)
         policy.probe_credit = rng.choice([0.0, 0.5, 5.0, float("inf")])
         policy.probe_success = rng.random()
         states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) if rng.random() < 0.5
@@ -295,7 +295,7 @@ def test_busy_server_probes_rarely_and_says_so_in_advance():
     """16 new requests on a curve where a fully accepted deep tree would pay: the first probe is
     taken, it fails, and from then on ``may_probe`` tells the proposer in advance that no probe
     will be (select agrees: the root-only trees it then gets are what it would pick)."""
-    policy = SpecPolicy(CostCurve([1, 256, 1024], [10.0, 16.0, 60.0]), lambda k: 0.0, num_draft_tokens=12)
+    policy = SpecPolicy(CostCurve([1, 256, 1024], [10.0, 16.0, 60.0]), lambda k, n: 0.0, num_draft_tokens=12)
     states = [RequestPolicyState(backoff=0) for _ in range(16)]
     gated = probes = 0
     for _ in range(500):
@@ -328,3 +328,15 @@ def test_measure_cost_curve_is_not_skewed_by_a_slow_spell(monkeypatch):
     curve = measure_cost_curve(forward, [1, 3, 4, 16], [8], budget_s=10.0)
     assert curve.widths == [1, 3, 4, 8, 16]
     assert [round(t * 1e3, 6) for t in curve.seconds] == [1.0, 3.0, 4.0, 8.0, 16.0]
+
+
+def test_a_chain_that_drafts_per_token_is_kept_short():
+    """Drafting that costs a share of a step per drafted token (a chain drafts only the tokens
+    its tree keeps: d(k, n) grows with n) makes a request accepting 0.6 take a shorter chain
+    than free drafting does."""
+    chain_depth = lambda n: n - 1    # noqa: E731
+    free = SpecPolicy(CostCurve([1, 16], [10.0, 11.0]), lambda k, n: 0.0, num_draft_tokens=8)
+    per_token = SpecPolicy(CostCurve([1, 16], [10.0, 11.0]), lambda k, n: 2.0 * k * (n - 1), num_draft_tokens=8)
+    assert free.preferred_nodes(_state(0.6), 8, 1, chain_depth) == 8
+    assert 2 <= per_token.preferred_nodes(_state(0.6), 8, 1, chain_depth) < 8
+    assert per_token.cost(1, 3, 3, 1) - per_token.cost(1, 2, 2, 1) > 2.0       # the drafting of one more token
