@@ -34,10 +34,11 @@ decoding requests:
 * a request left out for ``backoff_r`` steps may be probed (one per step) with a
   small tree (at most PROBE_NODES nodes) so its ``p_r`` cannot go stale; its
   backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if the
-  request's full tree would be picked at this batch size once the probe is fully
-  accepted (its rate judged from that probe alone, shrunk towards the global rate:
-  else the probe could never change a decision), and probes spend at most
-  a budget share of the estimated step time (a credit that accrues each step):
+  request's tree (at its best size up to the full one) would be picked at this batch
+  size once the probe is fully accepted (its rate judged from that probe alone, shrunk
+  towards the global rate: else the probe could never change a decision), and probes spend at most
+  a budget share of the estimated step time (a credit that accrues each step; a request's
+  first probe is not charged):
   0.5% when probes never succeed, up to 10% when they are all fully accepted (EMA
   of probe outcomes) and the policy lets every request speculate (EMA of the share
   it picks): on a busy server where nobody is worth speculating, probes stay near
@@ -330,7 +331,8 @@ class SpecPolicy:
         """Whether ``select`` could let a request probe at a step where nobody else may speculate
         (``may_pick_any`` False), whatever trees of at most ``nodes[i]`` nodes and ``depths[i]``
         depth the proposer returns. An upper bound on ``_probe``'s test: the credit after this
-        step's accrual covers the cheapest probe (2 nodes), and for some due request and tree
+        step's accrual covers the cheapest probe (2 nodes) or a due request has not probed yet
+        (its first probe is not charged), and for some due request and tree
         size n <= nodes[i], the best case of an n-node tree (depth <= n - 1, fully accepted)
         beats plain decoding. False: a cheap proposer need not match anything this step (on a
         busy server, most steps)."""
@@ -343,7 +345,8 @@ class SpecPolicy:
         step_cost = self.cost(bs, bs, 1, 0)
         picked_share = self.picked_share * (1.0 - PICKED_EMA_WEIGHT)        # select's update with nobody picked
         credit = self.probe_credit + self._probe_accrual(step_cost, picked_share)
-        if self.cost(bs, bs + 1, 2, 1) - step_cost > credit:
+        is_charged = all(states[i].has_history for i in due)         # no first probe among them
+        if is_charged and self.cost(bs, bs + 1, 2, 1) - step_cost > credit:
             return False
         threshold = (1.0 + MARGIN) * self._plain_rate(bs)
         return any(self._best_probe_case(bs, cap, depth) > threshold
@@ -390,9 +393,12 @@ class SpecPolicy:
 
     def _probe(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int],
                sizes: list[int]) -> None:
-        """Let the longest-skipped due request try a small tree, if its full tree would be
-        picked at this batch size after the best outcome of the probe (else what a probe learns
-        is useless) and the probe credit covers the probe's extra cost."""
+        """Let the longest-skipped due request try a small tree, if its tree (at the best size up
+        to its full one, as ``preferred_nodes`` would size it) would be picked at this batch size
+        after the best outcome of the probe (else what a probe learns is useless) and the probe
+        credit covers the probe's extra cost. A request's first probe is not charged (one per
+        request): an NGRAM request whose answer starts copying its prompt only after ten
+        tokens, behind requests that had spent the credit, otherwise decoded all 128 plainly."""
         bs, width, max_q = len(states), sum(sizes), max(sizes)
         num_drafting = sum(n > 1 for n in sizes)
         step_cost = self.cost(bs, width, max_q, num_drafting)
@@ -402,13 +408,14 @@ class SpecPolicy:
             return
         i = due[0]
         full, size = nodes[i], min(nodes[i], PROBE_NODES)
-        alpha = self._hopeful_alpha(size, depths[i])
-        best_case = (bs + alpha - 1.0) / self.cost(bs, width + full - 1, max(max_q, full), num_drafting + 1)
+        best_case = max((bs + self._hopeful_alpha(size, min(n - 1, depths[i])) - 1.0)
+                        / self.cost(bs, width + n - 1, max(max_q, n), num_drafting + 1) for n in range(2, full + 1))
         extra = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1) - step_cost
         self.probe_credit = min(self.probe_credit, PROBE_CREDIT_PROBES * extra)
-        if best_case > (1.0 + MARGIN) * self._plain_rate(bs) and extra <= self.probe_credit:
+        is_first = not states[i].has_history          # a request's first probe is not charged
+        if best_case > (1.0 + MARGIN) * self._plain_rate(bs) and (is_first or extra <= self.probe_credit):
             sizes[i] = size
-            self.probe_credit -= extra
+            self.probe_credit -= 0.0 if is_first else extra
             states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
             states[i].is_probing = True
 

@@ -340,3 +340,28 @@ def test_a_chain_that_drafts_per_token_is_kept_short():
     assert free.preferred_nodes(_state(0.6), 8, 1, chain_depth) == 8
     assert 2 <= per_token.preferred_nodes(_state(0.6), 8, 1, chain_depth) < 8
     assert per_token.cost(1, 3, 3, 1) - per_token.cost(1, 2, 2, 1) > 2.0       # the drafting of one more token
+
+
+def test_a_requests_first_probe_is_not_charged():
+    """Earlier requests spent the probe credit: a new request still probes once (an NGRAM
+    request whose answer starts copying only after many steps), its later probes wait for
+    credit again."""
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
+    policy.probe_credit = 0.0
+    new = RequestPolicyState()
+    assert policy.may_probe([new], [4], [3])
+    assert policy.select([new], [4], [3]) == [PROBE_NODES]
+    policy.observe(new, 0, 3)                                # rejected: now it has a history
+    assert [policy.select([new], [4], [3])[0] for _ in range(20)] == [1] * 20
+    assert not policy.may_probe([new], [4], [3])
+
+
+def test_probe_judges_the_tree_at_its_best_size():
+    """Where wide verifies cost much, a fully accepted probe cannot make a 12-node tree pay but
+    makes a 4-node one pay (the size ``preferred_nodes`` would then give it): the probe runs."""
+    steep = CostCurve([1, 2, 4, 16], [10.0, 11.0, 13.0, 80.0])
+    policy = SpecPolicy(steep, lambda k, n: 0.0, num_draft_tokens=12)
+    state = RequestPolicyState(accepted=0.5, rejected=2.0, backoff=0)
+    hopeful = 1.0 + 0.8 + 0.8 ** 2 + 0.8 ** 3                 # a 4-node chain at the probe's best case
+    assert hopeful / steep(4) > 1.05 / steep(1) > expected_tokens(0.8, 11) / steep(12)
+    assert policy.select([state], [12], [11]) == [PROBE_NODES]
