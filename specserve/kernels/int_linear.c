@@ -452,11 +452,14 @@ static int int_linear(const uint8_t *panels, int fmt, const void *x, const float
             #pragma omp single nowait
             t = profile_mark(PROF_QUANTIZE, t);    /* also inside its linear's time */
         }
+        /* panel-major: a thread's share is a range of panels, each taken for every chunk of rows
+           in turn (while it is in cache); chunk-major gave one thread the first 64 rows and the
+           other the rest (79 rows: 64 against 15) and streamed the weights once per chunk */
         #pragma omp for schedule(static)
         for (long it = 0; it < items; it++) {
-            const long chunk = it / num_panels, m0 = chunk * IQ_CHUNK_ROWS;
+            const long chunk = it % num_chunks, m0 = chunk * IQ_CHUNK_ROWS;
             const long m1 = m0 + IQ_CHUNK_ROWS < M ? m0 + IQ_CHUNK_ROWS : M;
-            const int pnl = (int)(it % num_panels);
+            const int pnl = (int)(it / num_chunks);
             iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16);
         }
     }
