@@ -102,7 +102,7 @@ class ServerArgs:
     speculative_moe_a2a_backend: str | None = None
     enable_multi_layer_eagle: bool = False
     speculative_policy: str = "auto"
-    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_min_match_window_size: int = 3     # SGLang: 1 (see flags.py)
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10

@@ -181,7 +181,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                                 "only where it pays, else decode plainly (output identical either way); "
                                 "always: speculate on every step. Default: auto (or $SPECSERVE_SPEC_POLICY).",
                                 choices=SPEC_POLICIES),
-    "speculative_ngram_min_match_window_size": _spec("NGRAM: shortest suffix matched against the cache."),
+    "speculative_ngram_min_match_window_size": _spec("NGRAM: shortest suffix matched against the cache. "
+                                                     "Default 3 (SGLang's is 1): drafts from 1- and 2-token "
+                                                     "matches are mostly rejected on chat prompts, and on a "
+                                                     "CPU every rejected verify costs a wider forward."),
     "speculative_ngram_max_match_window_size": _spec("NGRAM: longest suffix matched against the cache; also "
                                                      "the default of --speculative-num-draft-tokens."),
     "speculative_ngram_min_bfs_breadth": _spec("NGRAM: fewest children per node in the draft tree."),
