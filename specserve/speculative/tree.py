@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -122,9 +123,14 @@ def chain(tokens: Sequence[int] | Tensor, draft_probs: Tensor | None = None) -> 
 
 
 def root_only(root_token: int) -> DraftTree:
-    """The "empty" tree: no speculation, plain decoding of one token (built on every
-    step of every request the policy skips, so it shares one parents tensor)."""
-    return DraftTree(torch.tensor([root_token], dtype=torch.int64), _ROOT_PARENTS)
+    """The "empty" tree: no speculation, plain decoding of one token. Built on every step of
+    every request the policy skips, so it shares one parents tensor and skips ``_validate``
+    (valid by construction): 11 -> 3.5 us a tree."""
+    tree = object.__new__(DraftTree)
+    tree.draft_tokens = torch.from_numpy(np.array([root_token], dtype=np.int64))   # 3x cheaper than torch.tensor
+    tree.parents = _ROOT_PARENTS
+    tree.draft_probs, tree.is_sampled_with_replacement = None, False
+    return tree
 
 
 _ROOT_PARENTS = torch.tensor([-1], dtype=torch.int64)   # read-only: never modified in place
