@@ -8,10 +8,11 @@ import functools
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+import torch
 
 from specserve.kernels import build
 from specserve.speculative.ngram_cache import NgramCache, _check_num_new
-from specserve.speculative.tree import DraftTree
+from specserve.speculative.tree import DraftTree, root_only
 
 if TYPE_CHECKING:
     from specserve.config import ServerArgs
@@ -76,7 +77,9 @@ class NativeNgramCache(NgramCache):
         n = self._lib.ngram_match(self._handle, tail, len(tail), max_nodes, int(kind == "PROB"), tokens, parents)
         if n < 1:
             raise MemoryError("ngram_match ran out of memory")
-        return DraftTree.from_lists(tokens[:n].tolist(), parents[:n].tolist())
+        if n == 1:                      # no match (most steps of a chat answer): the cheap root-only tree
+            return root_only(int(tokens[0]))
+        return DraftTree(torch.from_numpy(tokens[:n].astype(np.int64)), torch.from_numpy(parents[:n].astype(np.int64)))
 
 
 def _ids(tokens: Sequence[int]) -> np.ndarray:
