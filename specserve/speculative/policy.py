@@ -57,7 +57,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 logger = logging.getLogger(__name__)
@@ -81,12 +81,20 @@ PAD_PRIOR = 0.1            # padded query row cost, as a share of a token's (cur
 
 @dataclass
 class CostCurve:
-    """Seconds of one forward at ``widths[i]`` new tokens; piecewise linear in between."""
+    """Seconds of one forward at ``widths[i]`` new tokens; piecewise linear in between.
+    Evaluations are remembered (the policy asks for the same few widths many times a step)."""
 
     widths: list[int]
     seconds: list[float]
+    _known: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __call__(self, width: float) -> float:
+        known = self._known.get(width)
+        if known is None:
+            known = self._known[width] = self._interpolate(width)
+        return known
+
+    def _interpolate(self, width: float) -> float:
         ws, ts = self.widths, self.seconds
         if len(ws) == 1:                       # one point: assume cost proportional (pessimistic)
             return ts[0] * max(width, ws[0]) / ws[0]
@@ -219,8 +227,11 @@ class StepCost:
 
 def expected_tokens(rate: float, depth: int) -> float:
     """Tokens a verify emits when each draft token along a path of ``depth`` is accepted
-    with probability ``rate``: 1 + rate + ... + rate^depth."""
-    return sum(rate ** j for j in range(depth + 1))
+    with probability ``rate``: 1 + rate + ... + rate^depth (the geometric sum's closed form:
+    the policy evaluates it a few dozen times a step)."""
+    if rate >= 1.0:
+        return float(depth + 1)
+    return (1.0 - rate ** (depth + 1)) / (1.0 - rate)
 
 
 class SpecPolicy:
@@ -313,9 +324,9 @@ class SpecPolicy:
         if self.is_always:
             return True
         bs = len(states)
-        gains = sorted((self.calibration * self.rate(s) ** d
-                        for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history
-                        for d in range(1, depth + 1)), reverse=True)
+        calibration = self.calibration
+        rates = [(self.rate(s), depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
+        gains = sorted((calibration * rate ** d for rate, depth in rates for d in range(1, depth + 1)), reverse=True)
         threshold = (1.0 + MARGIN) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
         for width, gain in enumerate(gains, start=bs + 1):
