@@ -344,8 +344,8 @@ class SpecPolicy:
         depth the proposer returns. An upper bound on ``_probe``'s test: the credit after this
         step's accrual covers the cheapest probe (2 nodes) or a due request has not probed yet
         (its first probe is not charged), and for some due request and tree
-        size n <= nodes[i], the best case of an n-node tree (depth <= n - 1, fully accepted)
-        beats plain decoding. False: a cheap proposer need not match anything this step (on a
+        size n <= nodes[i], the best case of an n-node tree (depth <= n - 1) after a fully accepted
+        probe of min(nodes[i], PROBE_NODES) nodes beats plain decoding. False: a cheap proposer need not match anything this step (on a
         busy server, most steps)."""
         if self.is_always:
             return True
@@ -360,7 +360,7 @@ class SpecPolicy:
         if is_charged and self.cost(bs, bs + 1, 2, 1) - step_cost > credit:
             return False
         threshold = (1.0 + MARGIN) * self._plain_rate(bs)
-        return any(self._best_probe_case(bs, cap, depth) > threshold
+        return any(self._best_probe_case(bs, bs, 1, 0, cap, depth) > threshold
                    for cap, depth in {(nodes[i], depths[i]) for i in due})
 
     def _probe_accrual(self, step_cost: float, picked_share: float) -> float:
@@ -369,10 +369,16 @@ class SpecPolicy:
         low, high = PROBE_BUDGET
         return (low + (high - low) * self.probe_success * picked_share) * step_cost
 
-    def _best_probe_case(self, bs: int, max_nodes: int, max_depth: int) -> float:
-        """The highest ``_probe`` best case over trees of 2..max_nodes nodes and depth <= max_depth."""
-        return max((bs + self._hopeful_alpha(min(n, PROBE_NODES), min(n - 1, max_depth)) - 1.0)
-                   / self.cost(bs, bs + n - 1, n, 1) for n in range(2, max_nodes + 1))
+    def _best_probe_case(self, bs: int, width: int, max_q: int, num_drafting: int, max_nodes: int,
+                         max_depth: int) -> float:
+        """Tokens per second of this step (``width`` rows, widest ``max_q``, ``num_drafting`` others
+        drafting) with a request that fully accepted a probe of min(max_nodes, PROBE_NODES) nodes
+        taking its tree at the best size of 2..max_nodes nodes (depth <= max_depth). ``_probe``'s
+        test, and ``may_probe``'s bound for any tree within a cap of ``max_nodes`` (a smaller
+        tree's probe shows less)."""
+        probe_nodes = min(max_nodes, PROBE_NODES)
+        return max((bs + self._hopeful_alpha(probe_nodes, min(n - 1, max_depth)) - 1.0)
+                   / self.cost(bs, width + n - 1, max(max_q, n), num_drafting + 1) for n in range(2, max_nodes + 1))
 
     def _hopeful_alpha(self, probe_nodes: int, depth: int) -> float:
         """Calibrated expected tokens of a depth-``depth`` tree for a request whose only history is
@@ -418,9 +424,8 @@ class SpecPolicy:
         if not due:
             return
         i = due[0]
-        full, size = nodes[i], min(nodes[i], PROBE_NODES)
-        best_case = max((bs + self._hopeful_alpha(size, min(n - 1, depths[i])) - 1.0)
-                        / self.cost(bs, width + n - 1, max(max_q, n), num_drafting + 1) for n in range(2, full + 1))
+        size = min(nodes[i], PROBE_NODES)
+        best_case = self._best_probe_case(bs, width, max_q, num_drafting, nodes[i], depths[i])
         extra = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1) - step_cost
         self.probe_credit = min(self.probe_credit, PROBE_CREDIT_PROBES * extra)
         is_first = not states[i].has_history          # a request's first probe is not charged

@@ -365,3 +365,14 @@ def test_probe_judges_the_tree_at_its_best_size():
     hopeful = 1.0 + 0.8 + 0.8 ** 2 + 0.8 ** 3                 # a 4-node chain at the probe's best case
     assert hopeful / steep(4) > 1.05 / steep(1) > expected_tokens(0.8, 11) / steep(12)
     assert policy.select([state], [12], [11]) == [PROBE_NODES]
+
+
+def test_may_probe_bounds_a_probe_that_only_a_two_node_tree_pays_for():
+    """After a fully accepted 4-node probe only a 2-node tree pays on this curve: ``select``
+    probes, so ``may_probe`` must not say no (it once judged 2-node trees by a 2-node probe)."""
+    curve = CostCurve([1, 2, 3, 4, 16], [10.0, 16.5, 23.0, 29.0, 200.0])
+    policy = SpecPolicy(curve, lambda k, n: 0.0, num_draft_tokens=12)
+    state = RequestPolicyState(accepted=0.5, rejected=2.0, backoff=0)
+    assert not policy.may_pick_any([state], [12], [11])
+    assert policy.may_probe([state], [12], [11])
+    assert policy.select([state], [12], [11]) == [PROBE_NODES]
