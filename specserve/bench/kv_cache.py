@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt lengths in tokens, comma-separated (default %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per length (default %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", help="activation dtype of both engines")
+    parser.add_argument("--prompts", default=None,
+                        help="prompt files whose texts are joined into the long prompts, comma-separated "
+                             "(default: all eval files)")
     parser.add_argument("--quantization", default="gguf", choices=serving.QUANTIZATION_CHOICES,
                         help="both engines' linear path (default %(default)s, what `make serve` runs)")
 
@@ -36,25 +38,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--prompt-tokens must lie in [16, --context-length - --max-new-tokens] "
                          f"({args.context_length - args.max_new_tokens})")
     engines = {kv: serving.make_engine(serving.engine_kwargs(
-        args, args.dtype, disable_radix_cache=True, quantization=args.quantization, kv_cache_dtype=kv))
-        for kv in CACHE_DTYPES}
+        args, "float32", disable_radix_cache=True, quantization=args.quantization, kv_cache_dtype=kv))
+        for kv in CACHE_DTYPES}                     # float32 activations: "auto" is a float32 cache
     try:
-        texts = _long_texts(args.num_prompts)
+        texts = _long_texts(args.num_prompts, P.resolve_prompt_files(args.prompts))
         rows = [_decode_row(engines, texts, n, args.max_new_tokens) for n in lengths]
         nll = {kv: _mean_nll(engine, texts, lengths[-1]) for kv, engine in engines.items()}
     finally:
         for engine in engines.values():
             serving.close_engine(engine)
-    result = {"benchmark": "kv-cache", "quantization": args.quantization, "dtype": args.dtype,
+    result = {"benchmark": "kv-cache", "quantization": args.quantization, "dtype": "float32",
               "max_new_tokens": args.max_new_tokens, "rows": rows,
               "perplexity": {kv: math.exp(v) for kv, v in nll.items()}}
     _print(result)
     return result
 
 
-def _long_texts(count: int) -> list[str]:
-    """``count`` long user texts, each the eval prompts joined from a different starting point."""
-    prompts = [p.text for p in P.load_mixed_prompts(80)]
+def _long_texts(count: int, files: list) -> list[str]:
+    """``count`` long user texts, each the files' prompts joined from a different starting point."""
+    prompts = [p.text for p in P.load_mixed_prompts(80, files)]
     step = max(len(prompts) // max(count, 1), 1)
     return ["\n\n".join(prompts[i * step:] + prompts[:i * step]) for i in range(count)]
 

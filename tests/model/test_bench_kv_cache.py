@@ -3,14 +3,18 @@ that agree with decoding, and a bfloat16 cache leaves the model's perplexity whe
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from specserve.bench import cli, kv_cache, serving
 
+PROMPTS = ",".join(str(p) for p in sorted((Path(__file__).parents[1] / "data" / "eval").glob("*.jsonl")))
+
 
 def _args(default_gguf_path: str, *extra: str):
-    args = cli.parse_args(["kv-cache", "--model-path", default_gguf_path, "--threads", "2", *extra])
+    args = cli.parse_args(["kv-cache", "--model-path", default_gguf_path, "--threads", "2", "--prompts", PROMPTS,
+                           *extra])
     args.model_path = default_gguf_path
     return args
 
@@ -20,7 +24,8 @@ def test_prompt_logits_end_with_the_token_decoding_picks(default_gguf_path):
     engine = serving.make_engine(serving.engine_kwargs(args, "float32", disable_radix_cache=True,
                                                        quantization="gguf"))
     try:
-        ids = kv_cache._prompt_ids(engine.tokenizer, kv_cache._long_texts(1)[0], 96)
+        text = kv_cache._long_texts(1, [Path(p) for p in PROMPTS.split(",")])[0]
+        ids = kv_cache._prompt_ids(engine.tokenizer, text, 96)
         assert 92 <= len(ids) <= 96
         free_before = engine.engine.pool.num_free_tokens
         logits = kv_cache._prompt_logits(engine.engine, ids)
