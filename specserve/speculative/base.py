@@ -245,10 +245,10 @@ class SpecWorker:
             depth_caps = [self.proposer.max_depth(cap) for cap in caps]
         if self.proposer.is_cheap:                   # the policy sees the real tree sizes
             trees = self._propose_cheap(engine, items, caps, depth_caps, states, can_pick)
-            sizes = self.policy.select(states, [t.num_nodes for t in trees], [tree_depth(t) for t in trees])
+            sizes = self.policy.select(states, [t.num_nodes for t in trees], [tree_depth(t) for t in trees], can_pick)
             return [truncate_tree(t, n) if n > 1 or t.is_root_only else root_only(t.root_token)
                     for t, n in zip(trees, sizes)]
-        sizes = self.policy.select(states, caps, depth_caps)     # draft only where it may pay
+        sizes = self.policy.select(states, caps, depth_caps, can_pick)     # draft only where it may pay
         picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
         skipped = [item for item, n in zip(items, sizes) if n == 1]
         drafted = iter(self.proposer.propose(engine, [i for i, _ in picked], [n for _, n in picked])

@@ -229,10 +229,11 @@ class _EagleState:
 
 
 def _rows(features: Tensor, rows: list[int]) -> Tensor:
-    """A copy of these rows of ``features``: a slice where they are consecutive (a chain's accepted
-    prefix, the root of a plain step: 16 requests' plain steps 0.5 -> 0.2 ms a step here)."""
+    """These rows of ``features`` (a forward's own tensor, never written again): a view where they
+    are consecutive (a chain's accepted prefix, the root of a plain step: 16 requests' plain steps
+    0.5 -> 0.2 ms a step here with a copied slice, less without the copy), else a copy."""
     if rows[-1] - rows[0] == len(rows) - 1:
-        return features[rows[0]:rows[-1] + 1].clone()
+        return features[rows[0]:rows[-1] + 1]
     return features.index_select(0, torch.tensor(rows, device=features.device))
 
 

@@ -210,7 +210,8 @@ class StepCost:
         self.overhead = 0.0
 
     def __call__(self, bs: int, width: int, max_q: int, num_drafting: int) -> float:
-        draft = self.draft_cost(num_drafting, max_q) + self.overhead if num_drafting else 0.0
+        # never below the forward alone (the learned overhead may be negative): may_pick_any's bound
+        draft = max(self.draft_cost(num_drafting, max_q) + self.overhead, 0.0) if num_drafting else 0.0
         return self.scale * self.curve(width) + self.pad * (bs * max_q - width) + draft
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
@@ -249,18 +250,22 @@ class SpecPolicy:
         self.probe_success = PROBE_SUCCESS_PRIOR     # EMA: share of probes fully accepted
         self.picked_share = 1.0                      # EMA: share of requests picked (not probes)
 
-    def select(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int]) -> list[int]:
+    def select(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int],
+               can_pick: bool = True) -> list[int]:
         """Tree size per request this step (1: plain decoding); ``nodes[i]`` / ``depths[i]`` = its
-        full tree's size and depth."""
+        full tree's size and depth. ``can_pick`` False: ``may_pick_any`` said no for trees within
+        these sizes, so only a probe can speculate (the same choice, without weighing the rest)."""
         bs = len(states)
         if self.is_always:
             for state, depth in zip(states, depths):
                 state.predicted = expected_tokens(self.rate(state), depth) - 1.0
             return list(nodes)
-        calibration = self.calibration
-        alphas = [1.0 + calibration * (expected_tokens(self.rate(s), d) - 1.0) for s, d in zip(states, depths)]
-        order = sorted((i for i in range(bs) if nodes[i] > 1 and states[i].has_history), key=lambda i: -alphas[i])
-        k = self._best_prefix(bs, order, alphas, nodes)
+        k, order = 0, []
+        if can_pick:
+            calibration = self.calibration
+            alphas = [1.0 + calibration * (expected_tokens(self.rate(s), d) - 1.0) for s, d in zip(states, depths)]
+            order = sorted((i for i in range(bs) if nodes[i] > 1 and states[i].has_history), key=lambda i: -alphas[i])
+            k = self._best_prefix(bs, order, alphas, nodes)
         self.picked_share += PICKED_EMA_WEIGHT * (k / bs - self.picked_share)
         sizes = [1] * bs
         for i in order[:k]:
@@ -425,11 +430,13 @@ class SpecPolicy:
             return
         i = due[0]
         size = min(nodes[i], PROBE_NODES)
-        best_case = self._best_probe_case(bs, width, max_q, num_drafting, nodes[i], depths[i])
         extra = self.cost(bs, width + size - 1, max(max_q, size), num_drafting + 1) - step_cost
         self.probe_credit = min(self.probe_credit, PROBE_CREDIT_PROBES * extra)
         is_first = not states[i].has_history          # a request's first probe is not charged
-        if best_case > (1.0 + MARGIN) * self._plain_rate(bs) and (is_first or extra <= self.probe_credit):
+        if not is_first and extra > self.probe_credit:
+            return          # no credit: the best case need not be weighed
+        best_case = self._best_probe_case(bs, width, max_q, num_drafting, nodes[i], depths[i])
+        if best_case > (1.0 + MARGIN) * self._plain_rate(bs):
             sizes[i] = size
             self.probe_credit -= 0.0 if is_first else extra
             states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)

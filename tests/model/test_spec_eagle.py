@@ -111,9 +111,9 @@ def test_greedy_equals_plain_when_every_other_step_decodes_plainly(tiny, algo):
     worker = spec_engine.engine.spec_worker
     select, calls = worker.policy.select, [0]
 
-    def every_other_step(states, caps, depth_caps):
+    def every_other_step(states, caps, depth_caps, *hint):
         calls[0] += 1
-        return [1] * len(caps) if calls[0] % 2 else select(states, caps, depth_caps)
+        return [1] * len(caps) if calls[0] % 2 else select(states, caps, depth_caps, *hint)
 
     worker.policy.select = every_other_step
     assert _staggered(spec_engine, prompts) == plain
@@ -134,8 +134,8 @@ def test_short_chains_draft_only_the_tokens_they_keep(tiny, algo):
     proposer, select = worker.proposer, worker.policy.select
     sizes, forwards, drafted = iter([2, 3] * 10_000), [0], []
 
-    def short_chains(states, caps, depth_caps):
-        return [min(n, next(sizes)) if n > 1 else 1 for n in select(states, caps, depth_caps)]
+    def short_chains(states, caps, depth_caps, *hint):
+        return [min(n, next(sizes)) if n > 1 else 1 for n in select(states, caps, depth_caps, *hint)]
 
     def counting(forward):
         def run(*args, **kwargs):

@@ -192,7 +192,7 @@ def test_steps_where_nobody_speculates_are_plain_decode_steps(engines, prompt_id
     decode forward; the KV slots reserved for the trees must go back to the pool."""
     engine = engines["NGRAM"]
     worker = engine.engine.spec_worker
-    monkeypatch.setattr(worker.policy, "select", lambda states, nodes, depths: [1] * len(states))
+    monkeypatch.setattr(worker.policy, "select", lambda states, nodes, depths, *hint: [1] * len(states))
     calls = []
     plain_step = worker._plain_step
     monkeypatch.setattr(worker, "_plain_step", lambda *a: calls.append(1) or plain_step(*a))
@@ -212,9 +212,9 @@ def test_standalone_catches_up_after_plain_steps(engines, prompt_ids, monkeypatc
     worker = engine.engine.spec_worker
     select, calls, plain_calls = worker.policy.select, [0], []
 
-    def every_other_step(states, nodes, depths):
+    def every_other_step(states, nodes, depths, *hint):
         calls[0] += 1
-        return [1] * len(states) if calls[0] % 2 else select(states, nodes, depths)
+        return [1] * len(states) if calls[0] % 2 else select(states, nodes, depths, *hint)
 
     monkeypatch.setattr(worker.policy, "select", every_other_step)
     plain_step = worker._plain_step

@@ -197,6 +197,39 @@ def test_may_pick_any_bounds_select():
     assert 50 < num_no < 300        # both answers occur
 
 
+def test_select_told_nobody_can_be_picked_chooses_the_same():
+    """``select(..., can_pick=False)`` (what ``_plan`` passes when ``may_pick_any`` said no) skips
+    weighing the requests and gives the same sizes and leaves the same policy and request state,
+    also with a drafting cost and a negative learned overhead (the step cost never drops below
+    the forward, which keeps ``may_pick_any`` a bound)."""
+    import copy
+    import random
+
+    rng = random.Random(1)
+    num_no = 0
+    for trial in range(300):
+        bs = rng.choice([1, 2, 4, 16])
+        draft_ms = rng.choice([0.0, 0.5, 3.0])
+        policy = SpecPolicy(rng.choice([FLAT_THEN_LINEAR, LINEAR]), lambda k, n, d=draft_ms: d * k,
+                            num_draft_tokens=12)
+        policy.cost.overhead = rng.choice([0.0, -2.0, -50.0, 1.0])
+        policy.probe_credit = rng.choice([0.0, 5.0, float("inf")])
+        states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) for _ in range(bs)]
+        for st in states:
+            st.num_skipped = rng.randrange(8)
+        caps = [rng.choice([1, 4, 12]) for _ in range(bs)]
+        depths = [c - 1 for c in caps]
+        if policy.may_pick_any(states, caps, depths):
+            continue
+        num_no += 1
+        told, told_states = copy.deepcopy(policy), copy.deepcopy(states)
+        full, full_states = copy.deepcopy(policy), copy.deepcopy(states)
+        assert told.select(told_states, caps, depths, can_pick=False) == full.select(full_states, caps, depths), trial
+        assert {k: v for k, v in vars(told).items() if k != "cost"} == {k: v for k, v in vars(full).items() if k != "cost"}
+        assert vars(told.cost) == vars(full.cost) and told_states == full_states, trial
+    assert num_no > 50
+
+
 def test_may_pick_any_small_batch_yes_busy_server_no():
     policy = SpecPolicy(FLAT_THEN_LINEAR, lambda k, n: 0.0, num_draft_tokens=12)
     assert policy.may_pick_any(_states(1, 0.8), [12], [11])
