@@ -119,7 +119,7 @@ class Proposer:
 
     def draft_cost(self, batch_size: int, max_nodes: int) -> float:
         """Estimated seconds of one ``propose`` over ``batch_size`` requests whose largest tree
-        may have ``max_nodes`` nodes."""
+        may have ``max_nodes`` nodes; never decreasing in either (the policy's bounds rely on it)."""
         return 0.0
 
     def max_depth(self, max_nodes: int) -> int:

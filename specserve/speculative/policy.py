@@ -325,17 +325,20 @@ class SpecPolicy:
         tree of depth D is worth at most the chain's expected tokens (what ``select`` credits)
         and widens the forward by at least D rows; padding and drafting cost nothing here. So
         the best step is the top-W per-depth gains ``calibration * rate^d`` over a forward of
-        ``bs + W`` rows. False: only a probe (``probe_order``) can speculate this step."""
+        ``bs + W`` rows, plus the least drafting can cost (one request drafting a 2-node tree:
+        ``draft_cost`` grows with both its arguments). False: only a probe (``probe_order``) can
+        speculate this step."""
         if self.is_always:
             return True
         bs = len(states)
         calibration = self.calibration
+        least_draft = max(self.cost.draft_cost(1, 2) + self.cost.overhead, 0.0)
         rates = [(self.rate(s), depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
         gains = sorted((calibration * rate ** d for rate, depth in rates for d in range(1, depth + 1)), reverse=True)
         threshold = (1.0 + MARGIN) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
         for width, gain in enumerate(gains, start=bs + 1):
-            seconds = self.cost.scale * self.cost.curve(width)
+            seconds = self.cost.scale * self.cost.curve(width) + least_draft
             if (tokens + remaining) / seconds <= threshold:     # no wider step can pass either
                 return False
             tokens, remaining = tokens + gain, remaining - gain
