@@ -323,11 +323,11 @@ class SpecPolicy:
         """Whether ``select`` could let a request with a history speculate, whatever trees of at
         most ``nodes[i]`` nodes and ``depths[i]`` depth the proposer returns. An upper bound: a
         tree of depth D is worth at most the chain's expected tokens (what ``select`` credits)
-        and widens the forward by at least D rows; padding and drafting cost nothing here. So
-        the best step is the top-W per-depth gains ``calibration * rate^d`` over a forward of
-        ``bs + W`` rows, plus the least drafting can cost (one request drafting a 2-node tree:
-        ``draft_cost`` grows with both its arguments). False: only a probe (``probe_order``) can
-        speculate this step."""
+        and widens the forward by at least D rows; padding costs nothing here, and drafting the
+        least it can (one request drafting a 2-node tree: ``draft_cost`` grows with both its
+        arguments). So the best step is the top-W per-depth gains ``calibration * rate^d`` over a
+        forward of ``bs + W`` rows plus that. False: only a probe (``probe_order``) can speculate
+        this step."""
         if self.is_always:
             return True
         bs = len(states)
