@@ -19,6 +19,20 @@ def _states(n, rate):
     return [_state(rate) for _ in range(n)]
 
 
+def _random_requests(rng, bs, fresh_share=0.0):
+    """``bs`` requests with random acceptance histories (with probability ``fresh_share`` a new
+    one, no history yet), backoffs and skipped steps, and their tree caps (1, 4 or 12 nodes)."""
+    def request():
+        if fresh_share and rng.random() >= 1.0 - fresh_share:
+            return RequestPolicyState(backoff=rng.choice([0, 4]))
+        return _state(rng.random(), backoff=rng.choice([0, 4, 10**6]))
+
+    states = [request() for _ in range(bs)]
+    for state in states:
+        state.num_skipped = rng.randrange(8)
+    return states, [rng.choice([1, 4, 12]) for _ in range(bs)]
+
+
 def test_cost_curve_interpolates_and_extrapolates():
     assert FLAT_THEN_LINEAR(1) == 10.0 and FLAT_THEN_LINEAR(0.5) == 10.0
     assert abs(FLAT_THEN_LINEAR(40) - 20.5) < 1e-9
@@ -181,10 +195,7 @@ def test_may_pick_any_bounds_select():
         bs = rng.choice([1, 2, 4, 8, 16, 32])
         curve = rng.choice([FLAT_THEN_LINEAR, LINEAR])
         policy = SpecPolicy(curve, lambda k, n: 0.0, num_draft_tokens=12)
-        states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) for _ in range(bs)]
-        for s in states:
-            s.num_skipped = rng.randrange(8)
-        caps = [rng.choice([1, 4, 12]) for _ in range(bs)]
+        states, caps = _random_requests(rng, bs)
         nodes = [rng.randint(1, c) for c in caps]
         depths = [(n - 1 if rng.random() < 0.7 else rng.randint(1, n - 1)) if n > 1 else 0 for n in nodes]  # chains often
         is_possible = policy.may_pick_any(states, caps, [c - 1 for c in caps])
@@ -214,10 +225,7 @@ def test_select_told_nobody_can_be_picked_chooses_the_same():
                             num_draft_tokens=12)
         policy.cost.overhead = rng.choice([0.0, -2.0, -50.0, 1.0])
         policy.probe_credit = rng.choice([0.0, 5.0, float("inf")])
-        states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) for _ in range(bs)]
-        for st in states:
-            st.num_skipped = rng.randrange(8)
-        caps = [rng.choice([1, 4, 12]) for _ in range(bs)]
+        states, caps = _random_requests(rng, bs)
         depths = [c - 1 for c in caps]
         if policy.may_pick_any(states, caps, depths):
             continue
@@ -306,11 +314,7 @@ def test_may_probe_bounds_the_probe():
         policy = SpecPolicy(curve, lambda k, n: draft_seconds, num_draft_tokens=12)
         policy.probe_credit = rng.choice([0.0, 0.5, 5.0, float("inf")])
         policy.probe_success = rng.random()
-        states = [_state(rng.random(), backoff=rng.choice([0, 4, 10**6])) if rng.random() < 0.5
-                  else RequestPolicyState(backoff=rng.choice([0, 4])) for _ in range(bs)]
-        for s in states:
-            s.num_skipped = rng.randrange(8)
-        caps = [rng.choice([1, 4, 12]) for _ in range(bs)]
+        states, caps = _random_requests(rng, bs, fresh_share=0.5)
         depth_caps = [c - 1 for c in caps]
         if policy.may_pick_any(states, caps, depth_caps):
             continue
