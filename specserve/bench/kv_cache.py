@@ -1,6 +1,6 @@
 """``specserve bench kv-cache``: plain decoding after prompts of a given length with a float32
 and a bfloat16 KV cache, the two engines taking turns prompt by prompt in one process (so the
-machine's drift hits both alike). Prints decode tokens/s (prefill excluded) per prompt length,
+machine's drift hits both alike). Prints decode tokens/s (after the first token) per prompt length,
 their ratio, how many greedy outputs agree, and the perplexity each cache gives the same long
 texts (teacher-forced, one prefill with every position's logits): speed and what it costs.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from typing import Any
 
 from tqdm import tqdm
@@ -74,8 +73,8 @@ def _prompt_ids(tokenizer: Any, text: str, num_tokens: int) -> list[int]:
 
 
 def _decode_row(engines: dict[str, Any], texts: list[str], num_tokens: int, max_new: int) -> dict[str, Any]:
-    """Decode tokens/s per cache dtype after ~num_tokens-token prompts (a 1-token generation
-    times the prefill, which is subtracted), and how many greedy outputs agree."""
+    """Decode tokens/s per cache dtype after ~num_tokens-token prompts (from the first token on,
+    as ``bench plain`` times it), and how many greedy outputs agree."""
     speeds: dict[str, list[float]] = {kv: [] for kv in engines}
     agree = 0
     tokenizer = next(iter(engines.values())).tokenizer
@@ -84,50 +83,30 @@ def _decode_row(engines: dict[str, Any], texts: list[str], num_tokens: int, max_
         order = list(engines) if i % 2 == 0 else list(engines)[::-1]
         outputs = {}
         for kv in order:
-            seconds, outputs[kv] = _decode_seconds(engines[kv], ids, max_new)
-            speeds[kv].append(max_new / seconds)
+            records, _ = serving.run_requests(engines[kv].engine, [ids],
+                                              lambda: serving.sampling_params(max_new, True), 1)
+            speeds[kv].append(records[0].decode_rate)
+            outputs[kv] = records[0].output_ids
         agree += outputs["auto"] == outputs["bf16"]
     medians = {kv: statistics.median(v) for kv, v in speeds.items()}
     return {"prompt_tokens": num_tokens, "decode_tok_s": medians, "ratio": medians["bf16"] / medians["auto"],
             "identical": agree, "compared": len(texts)}
 
 
-def _decode_seconds(engine: Any, ids: list[int], max_new: int) -> tuple[float, list[int]]:
-    params = {"temperature": 0, "ignore_eos": True}
-    start = time.perf_counter()
-    engine.generate(input_ids=ids, sampling_params=dict(params, max_new_tokens=1))
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    out = engine.generate(input_ids=ids, sampling_params=dict(params, max_new_tokens=max_new + 1))
-    return time.perf_counter() - start - prefill, out["output_ids"]
-
-
 def _mean_nll(engine: Any, texts: list[str], num_tokens: int) -> float:
-    """Mean negative log-likelihood of the texts' tokens (teacher-forced) under this engine."""
+    """Mean negative log-likelihood of the texts' tokens (teacher-forced, on the idle engine) under it."""
     import torch
+
+    from specserve.runner.model_runner import forward_on_free_slots
 
     total, count = 0.0, 0
     for text in texts:
         ids = engine.tokenizer.encode(text)[:num_tokens]
-        logits = _prompt_logits(engine.engine, ids).float()
+        logits = forward_on_free_slots(engine.engine.runner, engine.engine.pool, ids, is_prefill=True).float()
         logprobs = torch.log_softmax(logits[:-1], dim=-1)
         total -= logprobs.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
         count += len(ids) - 1
     return total / count
-
-
-def _prompt_logits(core: Any, ids: list[int]):
-    """Logits at every position of ``ids``, prefilled on an idle engine (its slots released after)."""
-    from specserve.runner.model_runner import ExtendSpec
-
-    slots = core.pool.extend_slots([], len(ids))
-    if slots is None:
-        raise ValueError(f"the KV pool cannot hold a {len(ids)}-token text: raise --max-total-tokens")
-    try:
-        spec = ExtendSpec(row=0, prefix_len=0, token_ids=ids, new_slots=slots, num_logits=len(ids))
-        return core.runner.forward([spec], is_prefill=True)
-    finally:
-        core.pool.release_slots(slots)
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -163,6 +163,19 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
+def forward_on_free_slots(runner: ModelRunner, pool, token_ids: list[int], is_prefill: bool = False) -> torch.Tensor:
+    """Logits at every position of ``token_ids`` (no prefix) forwarded on row 0 of an idle
+    runner over fresh slots of ``pool``, which go back after: startup timing, benchmarks."""
+    slots = pool.extend_slots([], len(token_ids))
+    if slots is None:
+        raise ValueError(f"the KV pool cannot hold {len(token_ids)} tokens: raise --max-total-tokens")
+    try:
+        spec = ExtendSpec(row=0, prefix_len=0, token_ids=token_ids, new_slots=slots, num_logits=len(token_ids))
+        return runner.forward([spec], is_prefill=is_prefill)
+    finally:
+        pool.release_slots(slots)
+
+
 def _features(kind: str, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
     if kind == "final":
         return hidden

@@ -166,22 +166,14 @@ def describe_policy(name: str, policy: SpecPolicy) -> str:
 
 def measure_target_cost(ctx: ProposerContext, budget_s: float = TARGET_COST_BUDGET_S) -> CostCurve:
     """Target forward time at a few widths (causal, no prefix), using row 0 and free slots."""
-    from specserve.runner.model_runner import ExtendSpec
+    from specserve.runner.model_runner import forward_on_free_slots
 
     runner, pool = ctx.target_runner, ctx.pool
     limit = min(pool.num_free_tokens, ctx.context_len)       # slots, row length, rotary positions
     required = [w for w in COST_WIDTHS_REQUIRED if w <= limit] or [1]
     optional = [w for w in COST_WIDTHS_OPTIONAL if w <= limit]
-
-    def forward(width: int) -> None:
-        slots = pool.extend_slots([], width)
-        try:
-            runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=[0] * width, new_slots=slots,
-                                       num_logits=width)])
-        finally:
-            pool.release_slots(slots)
-
-    return measure_cost_curve(forward, required, optional, budget_s, sync_fn(runner.device))
+    return measure_cost_curve(lambda width: forward_on_free_slots(runner, pool, [0] * width), required, optional,
+                              budget_s, sync_fn(runner.device))
 
 
 def sync_fn(device: torch.device):

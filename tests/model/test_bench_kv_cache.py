@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from specserve.bench import cli, kv_cache, serving
+from specserve.runner.model_runner import forward_on_free_slots
 
 PROMPTS = ",".join(str(p) for p in sorted((Path(__file__).parents[1] / "data" / "eval").glob("*.jsonl")))
 
@@ -28,7 +29,7 @@ def test_prompt_logits_end_with_the_token_decoding_picks(default_gguf_path):
         ids = kv_cache._prompt_ids(engine.tokenizer, text, 96)
         assert 92 <= len(ids) <= 96
         free_before = engine.engine.pool.num_free_tokens
-        logits = kv_cache._prompt_logits(engine.engine, ids)
+        logits = forward_on_free_slots(engine.engine.runner, engine.engine.pool, ids, is_prefill=True)
         assert engine.engine.pool.num_free_tokens == free_before        # its slots went back
         first = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0})
         assert logits.shape[0] == len(ids)
