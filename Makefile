@@ -5,7 +5,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 SPEC_ARGS ?= --speculative-algorithm NGRAM
 # Integer kernels on the GGUF's blocks: about 2x the exact float32 path end to end here (README),
-# with a bfloat16 KV cache (half the memory, 1.14-1.17x decoding after 1-2K-token prompts, the same perplexity:
+# with a bfloat16 KV cache (half the memory, ~1.1x decoding here, the same perplexity:
 # `specserve bench kv-cache`), as llama.cpp keeps a half-precision cache.
 # `make serve QUANT_ARGS=` serves the exact path (bit-identical to HF transformers float32).
 QUANT_ARGS ?= --quantization gguf --kv-cache-dtype bf16
