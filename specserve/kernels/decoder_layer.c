@@ -220,3 +220,37 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
     }
     return 0;
 }
+
+/* A decode-shaped forward of the whole model in one call, its ends included: h [T, H] = the
+   embedding's rows of ids (vocab rows, the dtype); cos/sin [T, head_dim] = the float32 tables'
+   rows at positions (num_positions rows), rounded to the dtype as torch's .to rounds; every
+   layer as decoder_layers; then, where final_norm is not NULL, out = rms_norm(h) (else h is
+   left for the caller to norm). Exact copies and the same kernels as the separate calls, so the
+   same bits; what it saves is ~10 torch calls a forward, each slow after the weights went
+   through the caches. Returns -1 for an id or position outside its table, or shapes the layers
+   do not take. */
+int model_stack(const int64_t *ids, const void *embedding, long vocab, const int64_t *positions,
+                const float *cos_table, const float *sin_table, long num_positions, const void *final_norm,
+                float final_eps, void *out, void *h, const void *const *norms, const linear_weights *linears,
+                const float *const *qkv_biases, float eps, const int *dims, int num_layers, char *k_cache,
+                char *v_cache, long layer_bytes, const int64_t *out_loc, const int64_t *kv_indices,
+                const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, void *const *aux_out,
+                int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+    const int H = dims[0], hd = dims[3], is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= vocab || positions[t] < 0 || positions[t] >= num_positions) return -1;
+    char *cos = malloc((size_t)T * hd * esize), *sin = malloc((size_t)T * hd * esize);
+    for (int t = 0; t < T; t++) {
+        memcpy((char *)h + (long)t * H * esize, (const char *)embedding + ids[t] * H * esize, (size_t)H * esize);
+        for (int d = 0; d < hd; d++) {
+            set_elem(cos, (long)t * hd + d, cos_table[positions[t] * hd + d], is_bf16);
+            set_elem(sin, (long)t * hd + d, sin_table[positions[t] * hd + d], is_bf16);
+        }
+    }
+    int status = decoder_layers(h, norms, linears, qkv_biases, eps, dims, num_layers, cos, sin, k_cache, v_cache,
+                                layer_bytes, out_loc, kv_indices, mask, row_batch, row_query, aux_out, T, L, Q, dtype,
+                                kv_dtype, nthreads);
+    if (status == 0 && final_norm) rms_norm(h, final_norm, out, T, H, final_eps, is_bf16);
+    free(cos), free(sin);
+    return status;
+}

@@ -95,6 +95,61 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
                    capture: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """``decoder_layer`` for every layer of the stack in turn; k_cache/v_cache [layers, S, kv heads,
     head_dim] contiguous. Returns the inputs of the layers in ``capture`` (ascending), copies of h."""
+    captured, tail = _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch,
+                                      row_query, capture)
+    status = _stack_function()(h.data_ptr(), *tail[:6], cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+                               *tail[6:])
+    if status != 0:
+        raise RuntimeError(f"decoder_layers rejected the layers' shapes {list(stack.dims)}")
+    return captured
+
+
+@dataclass
+class ModelEnds:
+    """What ``model_stack`` adds around the layers: the embedding table [vocab, H] (the layers'
+    dtype), rotary tables [positions, head_dim] (float32) and the final norm (None: the caller
+    norms the output itself)."""
+    embedding: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    final_norm: torch.Tensor | None
+    final_eps: float
+
+    def takes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether ``model_stack`` runs on these inputs (else the caller's torch ends do)."""
+        return (input_ids.dtype == torch.int64 and positions.dtype == torch.int64 and input_ids.dim() == 1
+                and self.embedding.is_contiguous() and self.embedding.dtype in DTYPE_CODES
+                and self.cos_table.dtype == torch.float32 and self.cos_table.is_contiguous()
+                and self.sin_table.is_contiguous() and positions.shape == input_ids.shape
+                and (self.final_norm is None or self.final_norm.dtype == self.embedding.dtype))
+
+
+def model_stack(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnds, stack: LayerStack,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor,
+                query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The embedding of ``input_ids``, ``decoder_layers`` at ``positions`` and the final norm in
+    one native call (``ends.takes`` must hold): returns (the output [T, H], normed when
+    ``ends.final_norm`` is set; the captured layer inputs). The same bits as the separate calls."""
+    input_ids, positions = input_ids.contiguous(), positions.contiguous()
+    h = ends.embedding.new_empty(input_ids.shape[0], ends.embedding.shape[1])
+    out = h if ends.final_norm is None else torch.empty_like(h)
+    captured, tail = _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch,
+                                      row_query, capture)
+    status = _model_function()(
+        input_ids.data_ptr(), ends.embedding.data_ptr(), ends.embedding.shape[0], positions.data_ptr(),
+        ends.cos_table.data_ptr(), ends.sin_table.data_ptr(), ends.cos_table.shape[0],
+        None if ends.final_norm is None else ends.final_norm.data_ptr(), ends.final_eps, out.data_ptr(),
+        h.data_ptr(), *tail)
+    if status != 0:
+        raise RuntimeError(f"model_stack rejected ids, positions or the layers' shapes {list(stack.dims)}")
+    return out, captured
+
+
+def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch, row_query,
+                     capture) -> tuple[list[torch.Tensor], tuple]:
+    """The captured copies and the arguments decoder_layers and model_stack share after h
+    (without decoder_layers' cos and sin, which go after the sixth)."""
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
     layer_bytes = k_cache[0].numel() * k_cache.element_size()
@@ -104,16 +159,12 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
         aux_out = (ctypes.c_void_p * len(stack.layers))()
         for layer_id, out in zip(capture, captured):
             aux_out[layer_id] = out.data_ptr()
-    status = _stack_function()(
-        h.data_ptr(), ctypes.addressof(stack.norms), ctypes.addressof(stack.linears),
-        ctypes.addressof(stack.qkv_biases), stack.eps, ctypes.addressof(stack.dims), len(stack.layers),
-        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    return captured, (
+        ctypes.addressof(stack.norms), ctypes.addressof(stack.linears), ctypes.addressof(stack.qkv_biases),
+        stack.eps, ctypes.addressof(stack.dims), len(stack.layers), k_cache.data_ptr(), v_cache.data_ptr(),
         layer_bytes, out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(), query_mask.data_ptr(),
         row_batch.data_ptr(), row_query.data_ptr(), aux_out, h.shape[0], num_keys, num_queries,
         DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"decoder_layers rejected the layers' shapes {list(stack.dims)}")
-    return captured
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,8 +196,20 @@ def _norm_function():
 
 @functools.cache
 def _stack_function():
-    return build.function("decoder_layers", [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-                          + [ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6)
+    return build.function("decoder_layers", _STACK_HEAD + [ctypes.c_void_p] * 2 + _STACK_TAIL)
+
+
+@functools.cache
+def _model_function():
+    return build.function("model_stack", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                          ctypes.c_float, ctypes.c_void_p]
+                          + _STACK_HEAD + _STACK_TAIL)
+
+
+# decoder_layers' arguments before cos and sin (h .. num_layers) and after them (k_cache ..)
+_STACK_HEAD = [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+_STACK_TAIL = [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
 
 
 @functools.cache

@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layer_ids: tuple[int, ...] = ()   # layers whose outputs EAGLE-3 captures
         self._native_stack: native_layer.LayerStack | None = None
         self._stack_limits: tuple[int, bool] | None = None    # (most rows, every linear integer)
+        self._ends: tuple[tuple, native_layer.ModelEnds] | None = None   # (what they were read from, the ends)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (call again after moving the module)."""
@@ -151,16 +152,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        h = self.model.embed_tokens(input_ids)                              # [T, H]
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
         aux: list[torch.Tensor] = []
-        if self._runs_stack_native(h.shape[0], meta):
+        if self._runs_stack_native(input_ids.shape[0], meta) and (ends := self._model_ends()).takes(input_ids, positions):
             capture = tuple(i for i in range(len(self.model.layers)) if i in self.aux_layer_ids)
-            aux = native_layer.decoder_layers(h, self._layer_stack(), cos, sin, cache.k, cache.v,
+            h, aux = native_layer.model_stack(input_ids, positions, ends, self._layer_stack(), cache.k, cache.v,
                                               meta.out_cache_loc, meta.kv_indices, meta.query_mask,
                                               meta.row_batch, meta.row_query, capture)
-            h = self.model.norm(h)
+            if ends.final_norm is None:
+                h = self.model.norm(h)
             return (h, aux) if self.aux_layer_ids else h
+        h = self.model.embed_tokens(input_ids)                              # [T, H]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
         for i, layer in enumerate(self.model.layers):
             is_native = layer.runs_native(h.shape[0], meta)
             if i in self.aux_layer_ids:
@@ -197,6 +199,17 @@ class LlamaForCausalLM(nn.Module):
         if self._native_stack is None:
             self._native_stack = native_layer.layer_stack(tuple(layer.native_weights() for layer in self.model.layers))
         return self._native_stack
+
+    def _model_ends(self) -> native_layer.ModelEnds:
+        """The embedding, rotary tables and final norm for ``model_stack``, read once (serving never
+        replaces them); the final norm only where it runs the native kernel (``RMSNorm.native``)."""
+        norm, embedding = self.model.norm, self.model.embed_tokens.weight
+        key = (embedding, norm.weight, norm.native, self.rotary.cos_cached)
+        if self._ends is None or any(a is not b for a, b in zip(self._ends[0], key)):
+            native_norm = norm.native and norm.weight.dtype == embedding.dtype
+            self._ends = key, native_layer.ModelEnds(embedding.detach(), self.rotary.cos_cached, self.rotary.sin_cached,
+                                                     norm.weight.detach() if native_norm else None, norm.eps)
+        return self._ends[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)                                         # [T, V]

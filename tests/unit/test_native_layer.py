@@ -107,9 +107,13 @@ def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
     assert torch.equal(verify[2:], node2)
 
 
-def test_the_native_stack_captures_eagle3_layer_inputs_as_the_layer_path_does():
-    """EAGLE-3's captured layer inputs come out of the one-call native stack with the bits the
-    layer-by-layer path gives (the hidden states too)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("native_norms", [False, True])
+def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, native_norms, monkeypatch):
+    """The whole decode-shaped forward in one native call (embedding, rotary tables, every layer,
+    EAGLE-3's captured layer inputs, the final norm where it runs natively) gives the bits of the
+    layer-by-layer path with torch's embedding, rotary rows and norm."""
+    from specserve.models.layers import use_native_norms
     from specserve.models.llama import LlamaForCausalLM
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
@@ -118,8 +122,11 @@ def test_the_native_stack_captures_eagle3_layer_inputs_as_the_layer_path_does():
     model = LlamaForCausalLM(cfg)
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.2)
+    model = model.to(dtype)
     model.init_rotary(256, "cpu")
     pack_linears_for_cpu(model)
+    if native_norms:
+        use_native_norms(model)
     model.eval().aux_layer_ids = (0, 2)
     slot_rows = [list(range(0, 12)), list(range(40, 45))]
     new_slots = [11, 43, 44]
@@ -128,19 +135,39 @@ def test_the_native_stack_captures_eagle3_layer_inputs_as_the_layer_path_does():
         kv_indices[b, :len(slots)] = torch.tensor(slots)
     meta = build_metadata([11, 3], [1, 2], kv_indices, torch.tensor(new_slots), num_kv_groups=3, pad_slot=PAD_SLOT)
     ids, positions = torch.tensor([5, 7, 9]), torch.tensor([11, 3, 4])
+    calls = []
+    one_call = native_layer.model_stack
+    monkeypatch.setattr(native_layer, "model_stack", lambda *args, **kw: calls.append(1) or one_call(*args, **kw))
     runs = []
     for stack in (True, False):
-        cache = KVCache(3, PAD_SLOT + 1, 2, 16, torch.float32, "cpu")
+        cache = KVCache(3, PAD_SLOT + 1, 2, 16, dtype, "cpu")
         torch.manual_seed(1)
-        cache.k[:, :PAD_SLOT], cache.v[:, :PAD_SLOT] = torch.randn(2, 3, PAD_SLOT, 2, 16)
+        cache.k[:, :PAD_SLOT], cache.v[:, :PAD_SLOT] = torch.randn(2, 3, PAD_SLOT, 2, 16).to(dtype)
         if not stack:
             model._runs_stack_native = lambda *args: False
         with torch.inference_mode():
             assert LlamaForCausalLM._runs_stack_native(model, 3, meta)    # the stack can run: unpatched, it does
             runs.append(model(ids, positions, cache, meta))
+        assert len(calls) == 1
     (h_stack, aux_stack), (h_layers, aux_layers) = runs
     assert torch.equal(h_stack, h_layers)
     assert len(aux_stack) == 2 and all(torch.equal(a, b) for a, b in zip(aux_stack, aux_layers))
+
+
+def test_the_one_call_model_rejects_an_id_outside_the_vocabulary():
+    from specserve.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=128)
+    model = LlamaForCausalLM(cfg).eval()
+    model.init_rotary(256, "cpu")
+    pack_linears_for_cpu(model)
+    kv_indices = torch.full((1, 100), PAD_SLOT, dtype=torch.int64)
+    kv_indices[0, 0] = 0
+    meta = build_metadata([0], [1], kv_indices, torch.tensor([0]), num_kv_groups=3, pad_slot=PAD_SLOT)
+    cache = KVCache(1, PAD_SLOT + 1, 2, 16, torch.float32, "cpu")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="model_stack rejected"):
+        model(torch.tensor([128]), torch.tensor([0]), cache, meta)
 
 
 def test_eagle3_midlayer_runs_natively_from_its_2h_wide_input():
