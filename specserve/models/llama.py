@@ -152,17 +152,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        aux: list[torch.Tensor] = []
-        if self._runs_stack_native(input_ids.shape[0], meta) and (ends := self._model_ends()).takes(input_ids, positions):
-            capture = tuple(i for i in range(len(self.model.layers)) if i in self.aux_layer_ids)
-            h, aux = native_layer.model_stack(input_ids, positions, ends, self._layer_stack(), cache.k, cache.v,
-                                              meta.out_cache_loc, meta.kv_indices, meta.query_mask,
-                                              meta.row_batch, meta.row_query, capture)
-            if ends.final_norm is None:
-                h = self.model.norm(h)
-            return (h, aux) if self.aux_layer_ids else h
+        if self._runs_stack_native(input_ids.shape[0], meta):
+            return self._forward_stack(input_ids, positions, cache, meta)
         h = self.model.embed_tokens(input_ids)                              # [T, H]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)                 # [T, hd]
+        aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             is_native = layer.runs_native(h.shape[0], meta)
             if i in self.aux_layer_ids:
@@ -172,6 +166,24 @@ class LlamaForCausalLM(nn.Module):
             else:
                 h = layer(h, cos, sin, cache, meta, self.backend)
         h = self.model.norm(h)
+        return (h, aux) if self.aux_layer_ids else h
+
+    def _forward_stack(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward`` with every layer in one native call, with the model's ends too where
+        ``model_stack`` takes them (else torch's embedding, rotary rows and final norm around it)."""
+        capture = tuple(i for i in range(len(self.model.layers)) if i in self.aux_layer_ids)
+        stack_args = (self._layer_stack(), cache.k, cache.v, meta.out_cache_loc, meta.kv_indices, meta.query_mask,
+                      meta.row_batch, meta.row_query, capture)
+        ends = self._model_ends()
+        if ends.takes(input_ids, positions):
+            h, aux = native_layer.model_stack(input_ids, positions, ends, *stack_args)
+            normed = ends.final_norm is not None
+        else:
+            h = self.model.embed_tokens(input_ids)
+            cos, sin = self.rotary.cos_sin(positions, h.dtype)
+            aux, normed = native_layer.decoder_layers(h, stack_args[0], cos, sin, *stack_args[1:]), False
+        h = h if normed else self.model.norm(h)
         return (h, aux) if self.aux_layer_ids else h
 
     def _runs_stack_native(self, num_rows: int, meta: AttentionMetadata) -> bool:

@@ -109,9 +109,11 @@ def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("native_norms", [False, True])
-def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, native_norms, monkeypatch):
+@pytest.mark.parametrize("with_ends", [True, False])
+def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, native_norms, with_ends, monkeypatch):
     """The whole decode-shaped forward in one native call (embedding, rotary tables, every layer,
-    EAGLE-3's captured layer inputs, the final norm where it runs natively) gives the bits of the
+    EAGLE-3's captured layer inputs, the final norm where it runs natively), or the layer stack in
+    one call with torch's ends where model_stack does not take them, gives the bits of the
     layer-by-layer path with torch's embedding, rotary rows and norm."""
     from specserve.models.layers import use_native_norms
     from specserve.models.llama import LlamaForCausalLM
@@ -138,6 +140,8 @@ def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, 
     calls = []
     one_call = native_layer.model_stack
     monkeypatch.setattr(native_layer, "model_stack", lambda *args, **kw: calls.append(1) or one_call(*args, **kw))
+    if not with_ends:
+        monkeypatch.setattr(native_layer.ModelEnds, "takes", lambda *args: False)
     runs = []
     for stack in (True, False):
         cache = KVCache(3, PAD_SLOT + 1, 2, 16, dtype, "cpu")
@@ -148,7 +152,7 @@ def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, 
         with torch.inference_mode():
             assert LlamaForCausalLM._runs_stack_native(model, 3, meta)    # the stack can run: unpatched, it does
             runs.append(model(ids, positions, cache, meta))
-        assert len(calls) == 1
+        assert len(calls) == with_ends
     (h_stack, aux_stack), (h_layers, aux_layers) = runs
     assert torch.equal(h_stack, h_layers)
     assert len(aux_stack) == 2 and all(torch.equal(a, b) for a, b in zip(aux_stack, aux_layers))
