@@ -221,14 +221,31 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
     return 0;
 }
 
-/* A decode-shaped forward of the whole model in one call, its ends included: h [T, H] = the
-   embedding's rows of ids (vocab rows, the dtype); cos/sin [T, head_dim] = the float32 tables'
-   rows at positions (num_positions rows), rounded to the dtype as torch's .to rounds; every
-   layer as decoder_layers; then, where final_norm is not NULL, out = rms_norm(h) (else h is
-   left for the caller to norm). Exact copies and the same kernels as the separate calls, so the
-   same bits; what it saves is ~10 torch calls a forward, each slow after the weights went
-   through the caches. Returns -1 for an id or position outside its table, or shapes the layers
-   do not take. */
+/* The model's ends for T rows: h [T, H] = the embedding's rows of ids (vocab rows, the dtype);
+   cos/sin [T, hd] = the float32 tables' rows at positions (num_positions rows), rounded to the
+   dtype as torch's .to rounds. Returns -1 for an id or position outside its table. */
+static int gather_ends(const int64_t *ids, const void *embedding, long vocab, const int64_t *positions,
+                       const float *cos_table, const float *sin_table, long num_positions, int T, int H, int hd,
+                       int is_bf16, void *h, void *cos, void *sin) {
+    const int esize = is_bf16 ? 2 : 4;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= vocab || positions[t] < 0 || positions[t] >= num_positions) return -1;
+    for (int t = 0; t < T; t++) {
+        memcpy((char *)h + (long)t * H * esize, (const char *)embedding + ids[t] * H * esize, (size_t)H * esize);
+        for (int d = 0; d < hd; d++) {
+            set_elem(cos, (long)t * hd + d, cos_table[positions[t] * hd + d], is_bf16);
+            set_elem(sin, (long)t * hd + d, sin_table[positions[t] * hd + d], is_bf16);
+        }
+    }
+    return 0;
+}
+
+/* A decode-shaped forward of the whole model in one call, its ends included: the embedding
+   rows, cos and sin as gather_ends gives them, every layer as decoder_layers, then, where
+   final_norm is not NULL, out = rms_norm(h) (else h is left for the caller to norm). Exact
+   copies and the same kernels as the separate calls, so the same bits; what it saves is a few
+   torch calls a forward, each slow after the weights went through the caches. Returns -1 for an
+   id or position outside its table, or shapes the layers do not take. */
 int model_stack(const int64_t *ids, const void *embedding, long vocab, const int64_t *positions,
                 const float *cos_table, const float *sin_table, long num_positions, const void *final_norm,
                 float final_eps, void *out, void *h, const void *const *norms, const linear_weights *linears,
@@ -237,20 +254,49 @@ int model_stack(const int64_t *ids, const void *embedding, long vocab, const int
                 const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, void *const *aux_out,
                 int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
     const int H = dims[0], hd = dims[3], is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
-    for (int t = 0; t < T; t++)
-        if (ids[t] < 0 || ids[t] >= vocab || positions[t] < 0 || positions[t] >= num_positions) return -1;
     char *cos = malloc((size_t)T * hd * esize), *sin = malloc((size_t)T * hd * esize);
-    for (int t = 0; t < T; t++) {
-        memcpy((char *)h + (long)t * H * esize, (const char *)embedding + ids[t] * H * esize, (size_t)H * esize);
-        for (int d = 0; d < hd; d++) {
-            set_elem(cos, (long)t * hd + d, cos_table[positions[t] * hd + d], is_bf16);
-            set_elem(sin, (long)t * hd + d, sin_table[positions[t] * hd + d], is_bf16);
-        }
-    }
-    int status = decoder_layers(h, norms, linears, qkv_biases, eps, dims, num_layers, cos, sin, k_cache, v_cache,
-                                layer_bytes, out_loc, kv_indices, mask, row_batch, row_query, aux_out, T, L, Q, dtype,
-                                kv_dtype, nthreads);
+    int status = gather_ends(ids, embedding, vocab, positions, cos_table, sin_table, num_positions, T, H, hd, is_bf16,
+                             h, cos, sin);
+    if (status == 0)
+        status = decoder_layers(h, norms, linears, qkv_biases, eps, dims, num_layers, cos, sin, k_cache, v_cache,
+                                layer_bytes, out_loc, kv_indices, mask, row_batch, row_query, aux_out, T, L, Q,
+                                dtype, kv_dtype, nthreads);
     if (status == 0 && final_norm) rms_norm(h, final_norm, out, T, H, final_eps, is_bf16);
     free(cos), free(sin);
+    return status;
+}
+
+/* An EAGLE-3 head's decode-shaped forward in one call (models/eagle3.py): h [T, H] = fc(features
+   [T, F]) (fc NULL: the features are H wide, copied), x = [rms_norm(embedding rows of ids) |
+   rms_norm(h)] [T, 2H] (in_norm / hidden_norm and their eps), cos and sin as gather_ends gives
+   them, then the midlayer as decoder_layer with x_in = x, updating h: the head's output, before
+   its final norm. The same kernels as the separate calls, so the same bits. Returns -1 for an id
+   or position outside its table, or shapes the layer does not take. */
+int eagle3_head(const int64_t *ids, const void *embedding, long vocab, const int64_t *positions,
+                const float *cos_table, const float *sin_table, long num_positions, const linear_weights *fc,
+                const void *features, int F, const void *in_norm, float in_eps, const void *hidden_norm,
+                float hidden_eps, void *h, const void *const *norms, const linear_weights *linears,
+                const float *qkv_bias, float eps, const int *dims, void *k_layer, void *v_layer,
+                const int64_t *out_loc, const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
+                const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+    const int H = dims[0], hd = dims[3], is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    if (H % 8 || dims[5] != 2 * H || (!fc && F != H)) return -1;
+    char *embeds = malloc((size_t)T * H * esize), *x = malloc((size_t)T * 2 * H * esize);
+    char *cos = malloc((size_t)T * hd * esize), *sin = malloc((size_t)T * hd * esize);
+    int status = gather_ends(ids, embedding, vocab, positions, cos_table, sin_table, num_positions, T, H, hd, is_bf16,
+                             embeds, cos, sin);
+    if (status == 0 && fc) status = linear_forward(fc, features, NULL, h, T, H, F, dtype, nthreads);
+    else if (status == 0) memcpy(h, features, (size_t)T * H * esize);
+    if (status == 0) {
+        for (int t = 0; t < T; t++) {
+            char *row = x + (long)t * 2 * H * esize;
+            rms_norm(embeds + (long)t * H * esize, in_norm, row, 1, H, in_eps, is_bf16);
+            rms_norm((const char *)h + (long)t * H * esize, hidden_norm, row + (long)H * esize, 1, H, hidden_eps,
+                     is_bf16);
+        }
+        status = decoder_layer(h, x, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer, out_loc,
+                               kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads);
+    }
+    free(embeds), free(x), free(cos), free(sin);
     return status;
 }

@@ -146,6 +146,35 @@ def model_stack(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnd
     return out, captured
 
 
+def eagle3_head(input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, embedding: torch.Tensor,
+                cos_table: torch.Tensor, sin_table: torch.Tensor, fc: LinearWeights | None,
+                in_norm: tuple[torch.Tensor, float], hidden_norm: tuple[torch.Tensor, float], weights: LayerWeights,
+                k_layer: torch.Tensor, v_layer: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor,
+                query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> torch.Tensor:
+    """An EAGLE-3 head's forward in one native call (``decoder_layer.c``'s ``eagle3_head``): fc of
+    the features (``fc`` None: they are H wide already), the embedding's rows of ``input_ids``, both
+    normed side by side, the midlayer at ``positions``. Returns the head's output [T, H] before its
+    final norm, with the bits of the separate calls. ids and positions int64, tables float32, the
+    rest in the midlayer's dtype, contiguous."""
+    features = features.contiguous()
+    num_tokens, hidden_size = input_ids.shape[0], weights.dims[0]
+    h = features.new_empty(num_tokens, hidden_size)
+    kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
+    batch, num_queries, num_keys = query_mask.shape
+    status = _eagle3_function()(
+        input_ids.contiguous().data_ptr(), embedding.data_ptr(), embedding.shape[0], positions.contiguous().data_ptr(),
+        cos_table.data_ptr(), sin_table.data_ptr(), cos_table.shape[0], None if fc is None else ctypes.addressof(fc),
+        features.data_ptr(), features.shape[1], in_norm[0].data_ptr(), in_norm[1], hidden_norm[0].data_ptr(),
+        hidden_norm[1], h.data_ptr(), ctypes.addressof(weights.norms), ctypes.addressof(weights.linears),
+        None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
+        ctypes.addressof(weights.dims), k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(),
+        kv_indices.data_ptr(), query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), num_tokens,
+        num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_layer.dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"eagle3_head rejected ids, positions or the midlayer's shapes {list(weights.dims)}")
+    return h
+
+
 def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch, row_query,
                      capture) -> tuple[list[torch.Tensor], tuple]:
     """The captured copies and the arguments decoder_layers and model_stack share after h
@@ -205,6 +234,16 @@ def _model_function():
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                           ctypes.c_float, ctypes.c_void_p]
                           + _STACK_HEAD + _STACK_TAIL)
+
+
+@functools.cache
+def _eagle3_function():
+    return build.function("eagle3_head", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                          ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+                          + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6)
 
 
 # decoder_layers' arguments before cos and sin (h .. num_layers) and after them (k_cache ..)

@@ -202,3 +202,41 @@ def test_eagle3_midlayer_runs_natively_from_its_2h_wide_input():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0].k, caches[1].k, atol=1e-4, rtol=1e-4)
     assert not torch.equal(outs[0], hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("feature_width", [3 * CFG.hidden_size, CFG.hidden_size])
+def test_an_eagle3_head_in_one_call_gives_the_bits_of_its_separate_calls(dtype, feature_width, monkeypatch):
+    """An EAGLE-3 head's forward in one native call (fc of the target's 3H features, or the
+    previous draft step's H-wide output as is; embedding, both norms, rotary rows, the midlayer)
+    gives the bits of the separate calls, and its K/V."""
+    from specserve.models.eagle3 import Eagle3Head
+    from specserve.models.layers import use_native_norms
+
+    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=128)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg, has_embedding=True)
+    for param in head.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    head = head.to(dtype).eval()
+    head.init_rotary(256, "cpu")
+    pack_linears_for_cpu(head)
+    use_native_norms(head)
+    kv_indices = torch.full((2, 100), PAD_SLOT, dtype=torch.int64)
+    kv_indices[0, :33], kv_indices[1, :14] = torch.arange(100, 133), torch.arange(200, 214)
+    meta = build_metadata([30, 12], [3, 2], kv_indices, torch.tensor([130, 131, 132, 212, 213]),
+                          num_kv_groups=3, pad_slot=PAD_SLOT)
+    ids, positions = torch.tensor([3, 9, 27, 81, 127]), torch.tensor([30, 31, 32, 12, 13])
+    features = torch.randn(5, feature_width).to(dtype)
+    outs, caches = [], []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(Eagle3Head, "_runs_in_one_call", lambda *args: False)
+        cache = _cache(dtype)
+        with torch.inference_mode():
+            assert head._runs_in_one_call(ids, features, positions, meta) == one_call
+            outs.append(head(ids, features, positions, cache, meta))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
