@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -157,3 +158,47 @@ def test_short_chains_draft_only_the_tokens_they_keep(tiny, algo):
     assert _staggered(spec_engine, prompts) == plain
     assert {cap for cap, _, _ in drafted} == {2, 3}
     assert all(num_forwards == cap - 1 and nodes <= cap for cap, num_forwards, nodes in drafted)
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_a_catch_up_over_plain_steps_is_not_learned_as_step_overhead(tiny, algo):
+    """A head drafting again after plain steps first catches up on their positions: a one-off cost
+    of switching the request on. The policy's step-cost model (whose learned overhead every later
+    drafting step is charged) gets each drafting step's time without that share of the catch-up;
+    a step right after a verify catches up on no more than the verify left and gives up nothing."""
+    prompts = _random_prompts(4, seed=7)
+    model, kwargs = _spec(tiny, algo, "chain")
+    spec_engine = _engine(model, **kwargs)
+    worker = spec_engine.engine.spec_worker
+    select, calls, observed, wall = worker.policy.select, [0], [], []
+
+    def long_plain_stretches(states, caps, depth_caps, *hint):
+        calls[0] += 1
+        return [1] * len(caps) if calls[0] % 10 < 7 else select(states, caps, depth_caps, *hint)
+
+    observe, decode_step = worker.policy.observe_step, worker.decode_step
+
+    def recording(sizes, seconds):
+        observed.append((max(sizes), seconds, worker.proposer.last_switch_seconds))
+        return observe(sizes, seconds)
+
+    def timed(*args):
+        began = time.perf_counter()
+        out = decode_step(*args)
+        wall.append(time.perf_counter() - began)
+        return out
+
+    worker.policy.select, worker.policy.observe_step, worker.decode_step = long_plain_stretches, recording, timed
+    _staggered(spec_engine, prompts)
+    drafted = [(seconds, switch, step) for (size, seconds, switch), step in zip(observed, wall) if size > 1]
+    assert any(switch > 0 for _, switch, _ in drafted) and any(switch == 0 for _, switch, _ in drafted)
+    assert all(seconds <= step - switch for seconds, switch, step in drafted)
+
+
+def test_the_switch_share_of_a_catch_up_is_its_rows_beyond_a_verify():
+    from specserve.speculative.base import catch_up_share
+
+    assert catch_up_share([39], 4, 3.9) == pytest.approx(3.5)
+    assert catch_up_share([2, 4, 10], 4, 1.6) == pytest.approx(0.6)
+    assert catch_up_share([1, 3], 4, 2.0) == 0.0
+    assert catch_up_share([], 4, 1.0) == 0.0
