@@ -201,7 +201,8 @@ class StepCost:
     verification, and forwards that run slower between other work than in a timing loop.
     Measured on a 2-core AVX-512 VNNI Xeon, an EAGLE3 step cost ~1.5 ms more than that: ignored, the
     policy kept speculating at 0.85x plain decoding. All three learn online from the step
-    times the worker reports."""
+    times the worker reports (a drafting step's without its draft's catch-up on positions of
+    plain steps before it, ``Proposer.last_switch_seconds``: a one-off cost of switching on)."""
 
     def __init__(self, curve: CostCurve, draft_cost: Callable[[int, int], float]) -> None:
         self.curve, self.draft_cost = curve, draft_cost
