@@ -40,9 +40,12 @@ def _breakdown(seconds: dict[str, float], layer_ops: dict[str, float], num_steps
     layers = sum(layer_ops.values())
     forward = seconds.get("forward", 0.0)
     parts = {f"layer: {name}": s for name, s in layer_ops.items()}
-    parts["final norm"] = seconds.get("final norm", 0.0)
+    norm = seconds.get("final norm")          # None: it ran inside the native call (model_stack)
+    if norm is not None:
+        parts["final norm"] = norm
     parts["lm_head"] = seconds.get("compute_logits", 0.0)
-    parts["rest of forward (embedding, metadata, Python)"] = forward - layers - parts["final norm"] - parts["lm_head"]
+    rest = "embedding, metadata, Python" if norm is not None else "embedding and final norm natively, metadata, Python"
+    parts[f"rest of forward ({rest})"] = forward - layers - (norm or 0.0) - parts["lm_head"]
     parts["rest of step (schedule, sample, bookkeeping)"] = seconds.get("step", 0.0) - forward
     ms = {name: 1000 * s / num_steps for name, s in parts.items()}
     return {"num_decode_steps": num_steps, "ms_per_step": ms, "step_ms": 1000 * seconds.get("step", 0.0) / num_steps,

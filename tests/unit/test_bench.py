@@ -344,3 +344,19 @@ def test_llama_cpp_rows_count_tokens_and_compare_with_their_own_plain():
     assert entries[0]["overall"]["tokens"] == 2 and entries[1]["overall"]["tokens"] == 6
     assert entries[1]["overall"]["accept_length"] is None and "warning" not in entries[1]
     assert entries[0]["overall"]["identical_to_plain"] == 2 and entries[1]["overall"]["identical_to_plain"] == 0
+
+
+def test_the_step_profile_names_where_the_final_norm_ran():
+    """``bench plain --profile``: a final norm the torch module ran gets its own row; one that ran
+    inside the native call (never timed) is named in the rest of the forward, whose time is the
+    forward minus the layers' ops, the norm and the LM head."""
+    from specserve.bench.step_profile import _breakdown
+
+    ops = {"qkv": 2.0, "attention": 1.0, "input quantization": 0.5}
+    timed = _breakdown({"forward": 10.0, "step": 12.0, "final norm": 1.0, "compute_logits": 4.0}, dict(ops), 2)
+    assert timed["ms_per_step"]["final norm"] == 500.0
+    assert timed["ms_per_step"]["rest of forward (embedding, metadata, Python)"] == 1000.0
+    native = _breakdown({"forward": 10.0, "step": 12.0, "compute_logits": 4.0}, dict(ops), 2)
+    assert "final norm" not in native["ms_per_step"]
+    assert native["ms_per_step"]["rest of forward (embedding and final norm natively, metadata, Python)"] == 1500.0
+    assert native["of_which_input_quantization_ms"] == 250.0
