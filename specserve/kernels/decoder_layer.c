@@ -288,12 +288,8 @@ int eagle3_head(const int64_t *ids, const void *embedding, long vocab, const int
     if (status == 0 && fc) status = linear_forward(fc, features, NULL, h, T, H, F, dtype, nthreads);
     else if (status == 0) memcpy(h, features, (size_t)T * H * esize);
     if (status == 0) {
-        for (int t = 0; t < T; t++) {
-            char *row = x + (long)t * 2 * H * esize;
-            rms_norm(embeds + (long)t * H * esize, in_norm, row, 1, H, in_eps, is_bf16);
-            rms_norm((const char *)h + (long)t * H * esize, hidden_norm, row + (long)H * esize, 1, H, hidden_eps,
-                     is_bf16);
-        }
+        rms_norm_rows(embeds, in_norm, x, 2 * H, T, H, in_eps, dtype);                 /* the left half */
+        rms_norm_rows(h, hidden_norm, x + (long)H * esize, 2 * H, T, H, hidden_eps, dtype);   /* the right */
         status = decoder_layer(h, x, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer, out_loc,
                                kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads);
     }

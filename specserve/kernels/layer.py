@@ -54,19 +54,32 @@ def decoder_layer(h: torch.Tensor, weights: LayerWeights, cos: torch.Tensor, sin
     tokens' K/V go to ``out_cache_loc`` of k_layer/v_layer [S, kv heads, head_dim]; attention
     metadata as in ``attention.paged_attention``. ``x_in`` [T, input width] contiguous: the
     attention's input formed by the caller (then the layer's first norm is not applied)."""
-    kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     x_in = None if x_in is None else x_in.contiguous()
-    batch, num_queries, num_keys = query_mask.shape
     status = _function()(
-        h.data_ptr(), None if x_in is None else x_in.data_ptr(), ctypes.addressof(weights.norms),
-        ctypes.addressof(weights.linears),
-        None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
-        ctypes.addressof(weights.dims), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-        k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
-        query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), h.shape[0], num_keys, num_queries,
-        DTYPE_CODES[h.dtype], DTYPE_CODES[k_layer.dtype], torch.get_num_threads())
+        h.data_ptr(), None if x_in is None else x_in.data_ptr(), *_weight_arguments(weights),
+        cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+        *_cache_arguments(h, k_layer, v_layer, out_cache_loc, kv_indices, query_mask, row_batch, row_query))
     if status != 0:
         raise RuntimeError(f"decoder_layer rejected the layer's shapes {list(weights.dims)}")
+
+
+def _weight_arguments(weights: LayerWeights) -> tuple:
+    """A layer's norms, linears, qkv bias, eps and dims, as decoder_layer.c's functions take them."""
+    return (ctypes.addressof(weights.norms), ctypes.addressof(weights.linears),
+            None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
+            ctypes.addressof(weights.dims))
+
+
+def _cache_arguments(h: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, out_cache_loc: torch.Tensor,
+                     kv_indices: torch.Tensor, query_mask: torch.Tensor, row_batch: torch.Tensor,
+                     row_query: torch.Tensor) -> tuple:
+    """One layer's K/V, the attention metadata, the row count, dtypes and threads of a call with
+    rows ``h``, as decoder_layer.c's one-layer functions take them."""
+    kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
+    batch, num_queries, num_keys = query_mask.shape
+    return (k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
+            query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), h.shape[0], num_keys, num_queries,
+            DTYPE_CODES[h.dtype], DTYPE_CODES[k_layer.dtype], torch.get_num_threads())
 
 
 @dataclass
@@ -131,14 +144,12 @@ def model_stack(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnd
     """The embedding of ``input_ids``, ``decoder_layers`` at ``positions`` and the final norm in
     one native call (``ends.takes`` must hold): returns (the output [T, H], normed when
     ``ends.final_norm`` is set; the captured layer inputs). The same bits as the separate calls."""
-    input_ids, positions = input_ids.contiguous(), positions.contiguous()
     h = ends.embedding.new_empty(input_ids.shape[0], ends.embedding.shape[1])
     out = h if ends.final_norm is None else torch.empty_like(h)
     captured, tail = _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch,
                                       row_query, capture)
     status = _model_function()(
-        input_ids.data_ptr(), ends.embedding.data_ptr(), ends.embedding.shape[0], positions.data_ptr(),
-        ends.cos_table.data_ptr(), ends.sin_table.data_ptr(), ends.cos_table.shape[0],
+        *_ends_arguments(input_ids, positions, ends),
         None if ends.final_norm is None else ends.final_norm.data_ptr(), ends.final_eps, out.data_ptr(),
         h.data_ptr(), *tail)
     if status != 0:
@@ -146,33 +157,33 @@ def model_stack(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnd
     return out, captured
 
 
-def eagle3_head(input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, embedding: torch.Tensor,
-                cos_table: torch.Tensor, sin_table: torch.Tensor, fc: LinearWeights | None,
-                in_norm: tuple[torch.Tensor, float], hidden_norm: tuple[torch.Tensor, float], weights: LayerWeights,
-                k_layer: torch.Tensor, v_layer: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor,
-                query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> torch.Tensor:
+def eagle3_head(input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, ends: ModelEnds,
+                fc: LinearWeights | None, in_norm: tuple[torch.Tensor, float], hidden_norm: tuple[torch.Tensor, float],
+                weights: LayerWeights, k_layer: torch.Tensor, v_layer: torch.Tensor, out_cache_loc: torch.Tensor,
+                kv_indices: torch.Tensor, query_mask: torch.Tensor, row_batch: torch.Tensor,
+                row_query: torch.Tensor) -> torch.Tensor:
     """An EAGLE-3 head's forward in one native call (``decoder_layer.c``'s ``eagle3_head``): fc of
     the features (``fc`` None: they are H wide already), the embedding's rows of ``input_ids``, both
     normed side by side, the midlayer at ``positions``. Returns the head's output [T, H] before its
-    final norm, with the bits of the separate calls. ids and positions int64, tables float32, the
-    rest in the midlayer's dtype, contiguous."""
+    final norm (``ends.final_norm`` is not read), with the bits of the separate calls.
+    ``ends.takes`` must hold; the rest in the midlayer's dtype."""
     features = features.contiguous()
-    num_tokens, hidden_size = input_ids.shape[0], weights.dims[0]
-    h = features.new_empty(num_tokens, hidden_size)
-    kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
-    batch, num_queries, num_keys = query_mask.shape
+    h = features.new_empty(input_ids.shape[0], weights.dims[0])
     status = _eagle3_function()(
-        input_ids.contiguous().data_ptr(), embedding.data_ptr(), embedding.shape[0], positions.contiguous().data_ptr(),
-        cos_table.data_ptr(), sin_table.data_ptr(), cos_table.shape[0], None if fc is None else ctypes.addressof(fc),
+        *_ends_arguments(input_ids, positions, ends), None if fc is None else ctypes.addressof(fc),
         features.data_ptr(), features.shape[1], in_norm[0].data_ptr(), in_norm[1], hidden_norm[0].data_ptr(),
-        hidden_norm[1], h.data_ptr(), ctypes.addressof(weights.norms), ctypes.addressof(weights.linears),
-        None if weights.qkv_bias is None else weights.qkv_bias.data_ptr(), weights.eps,
-        ctypes.addressof(weights.dims), k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(),
-        kv_indices.data_ptr(), query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), num_tokens,
-        num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_layer.dtype], torch.get_num_threads())
+        hidden_norm[1], h.data_ptr(), *_weight_arguments(weights),
+        *_cache_arguments(h, k_layer, v_layer, out_cache_loc, kv_indices, query_mask, row_batch, row_query))
     if status != 0:
         raise RuntimeError(f"eagle3_head rejected ids, positions or the midlayer's shapes {list(weights.dims)}")
     return h
+
+
+def _ends_arguments(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnds) -> tuple:
+    """ids, the embedding, positions and the rotary tables, as model_stack and eagle3_head take them."""
+    return (input_ids.contiguous().data_ptr(), ends.embedding.data_ptr(), ends.embedding.shape[0],
+            positions.contiguous().data_ptr(), ends.cos_table.data_ptr(), ends.sin_table.data_ptr(),
+            ends.cos_table.shape[0])
 
 
 def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch, row_query,

@@ -123,14 +123,14 @@ class Eagle3Head(DraftHead):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        if self._runs_in_one_call(input_ids, hidden, positions, meta):
-            mid, fc = self.midlayer, None
-            if hidden.shape[-1] != self.hidden_size:
-                fc = self.fc.skinny_weights()
+        ends = self._ends()
+        if self._runs_in_one_call(input_ids, hidden, positions, meta, ends):
+            mid = self.midlayer
+            fc = self.fc.skinny_weights() if hidden.shape[-1] != self.hidden_size else None
             return native_layer.eagle3_head(
-                input_ids, positions, hidden, self._embedding_weight(), self.rotary.cos_cached, self.rotary.sin_cached,
-                fc, (mid.input_layernorm.weight, mid.input_layernorm.eps), (mid.hidden_norm.weight, mid.hidden_norm.eps),
-                mid.native_weights(), cache.k[mid.self_attn.layer_id], cache.v[mid.self_attn.layer_id],
+                input_ids, positions, hidden, ends, fc, (mid.input_layernorm.weight, mid.input_layernorm.eps),
+                (mid.hidden_norm.weight, mid.hidden_norm.eps), mid.native_weights(),
+                cache.k[mid.self_attn.layer_id], cache.v[mid.self_attn.layer_id],
                 meta.out_cache_loc, meta.kv_indices, meta.query_mask, meta.row_batch, meta.row_query)
         if hidden.shape[-1] != self.hidden_size:
             hidden = self.fc(hidden)                                             # [T, 3H] -> [T, H]
@@ -139,24 +139,24 @@ class Eagle3Head(DraftHead):
         return self.midlayer(embeds, hidden, cos, sin, cache, meta, self.backend)
 
     def _runs_in_one_call(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                          meta: AttentionMetadata) -> bool:
+                          meta: AttentionMetadata, ends: native_layer.ModelEnds) -> bool:
         """Whether ``native_layer.eagle3_head`` computes this forward with the bits of the separate
         calls: the midlayer runs natively with native norms, fc (where the input needs it) on the
-        skinny kernel, and ids, positions, tables and embedding in the forms the call reads."""
+        skinny kernel, the model's ends as ``model_stack`` takes them, in the norms' dtype."""
         mid, rows = self.midlayer, input_ids.shape[0]
         if not (mid.runs_native(rows, meta) and mid.input_layernorm.native and mid.hidden_norm.native):
             return False
-        embedding = self._embedding_weight()
         uses_fc = hidden.shape[-1] != self.hidden_size
         return ((not uses_fc or (self.fc.skinny_max_rows >= rows and self.fc.bias is None))
-                and input_ids.dtype == positions.dtype == torch.int64 and input_ids.dim() == 1
-                and positions.shape == input_ids.shape and hidden.dim() == 2 and hidden.is_contiguous()
-                and embedding.dtype == hidden.dtype == mid.input_layernorm.weight.dtype == mid.hidden_norm.weight.dtype
-                and embedding.is_contiguous() and self.rotary.cos_cached.dtype == torch.float32)
+                and ends.takes(input_ids, positions) and hidden.dim() == 2 and hidden.is_contiguous()
+                and ends.embedding.dtype == hidden.dtype == mid.input_layernorm.weight.dtype
+                == mid.hidden_norm.weight.dtype)
 
-    def _embedding_weight(self) -> torch.Tensor:
+    def _ends(self) -> native_layer.ModelEnds:
+        """The embedding (its own or the target's) and rotary tables, for ``eagle3_head``."""
         module = self.own_embedding()
-        return (module if module is not None else self._shared_module("embed_tokens")).weight.detach()
+        embedding = (module if module is not None else self._shared_module("embed_tokens")).weight
+        return native_layer.ModelEnds(embedding, self.rotary.cos_cached, self.rotary.sin_cached, None, 0.0)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = self._new_loader()

@@ -139,7 +139,6 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layer_ids: tuple[int, ...] = ()   # layers whose outputs EAGLE-3 captures
         self._native_stack: native_layer.LayerStack | None = None
         self._stack_limits: tuple[int, bool] | None = None    # (most rows, every linear integer)
-        self._ends: tuple[tuple, native_layer.ModelEnds] | None = None   # (what they were read from, the ends)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (call again after moving the module)."""
@@ -213,15 +212,12 @@ class LlamaForCausalLM(nn.Module):
         return self._native_stack
 
     def _model_ends(self) -> native_layer.ModelEnds:
-        """The embedding, rotary tables and final norm for ``model_stack``, read once (serving never
-        replaces them); the final norm only where it runs the native kernel (``RMSNorm.native``)."""
+        """The embedding, rotary tables and final norm for ``model_stack``; the final norm only
+        where it runs the native kernel (``RMSNorm.native``)."""
         norm, embedding = self.model.norm, self.model.embed_tokens.weight
-        key = (embedding, norm.weight, norm.native, self.rotary.cos_cached)
-        if self._ends is None or any(a is not b for a, b in zip(self._ends[0], key)):
-            native_norm = norm.native and norm.weight.dtype == embedding.dtype
-            self._ends = key, native_layer.ModelEnds(embedding.detach(), self.rotary.cos_cached, self.rotary.sin_cached,
-                                                     norm.weight.detach() if native_norm else None, norm.eps)
-        return self._ends[1]
+        native_norm = norm.native and norm.weight.dtype == embedding.dtype
+        return native_layer.ModelEnds(embedding, self.rotary.cos_cached, self.rotary.sin_cached,
+                                      norm.weight if native_norm else None, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)                                         # [T, V]

@@ -42,14 +42,13 @@ policy never lets speculate (a busy server) cost no draft compute at all.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from specserve.core import Request
 from specserve.runner.model_runner import ExtendSpec, ModelRunner
 from specserve.speculative import dynamic_tree as dt
-from specserve.speculative.base import ProposerContext, catch_up_share, draft_quantization
+from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
 from specserve.speculative.token_map import input_id_map, read_token_map, restricted_lm_head
@@ -138,11 +137,7 @@ class DraftModelProposer(MirroredDraftProposer):
             specs.append(ExtendSpec(row=row, prefix_len=start, token_ids=token_ids, new_slots=slots))
             self._mark(slots, True)
             state.draft_len = req.seq_len
-        began = time.perf_counter()
-        logits = self.runner.forward(specs)
-        self.last_switch_seconds = catch_up_share([len(spec.token_ids) for spec in specs],
-                                                  self.params.num_draft_tokens, time.perf_counter() - began)
-        return logits
+        return self._catch_up_forward(specs)
 
     def _grow(self, engine, items: list, pool: dt.TreePool, frontier: dt.Frontier, steps: int) -> dt.TreePool:
         """Draft steps 1 .. steps-1: forward the frontier, expand it by top-K."""

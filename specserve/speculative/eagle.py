@@ -24,8 +24,6 @@ sequence, and positions are explicit), rows ``K*r + k`` add frontier node k's pa
 """
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
 
@@ -34,7 +32,7 @@ from specserve.runner.head_runner import HeadRunner
 from specserve.runner.model_runner import ExtendSpec
 from specserve.runner.sampler import argmax_rows
 from specserve.speculative import dynamic_tree as dt
-from specserve.speculative.base import ProposerContext, catch_up_share, draft_quantization
+from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
 from specserve.speculative.tree import DraftTree, truncate_tree
@@ -147,11 +145,7 @@ class EagleProposer(MirroredDraftProposer):
             self._mark(slots, True)
             state.row_len += t - start
             state.next_entry = t
-        began = time.perf_counter()
-        out = self.runner.forward(specs, torch.cat(features))
-        self.last_switch_seconds = catch_up_share([len(spec.token_ids) for spec in specs],
-                                                  self.params.num_draft_tokens, time.perf_counter() - began)
-        return out
+        return self._catch_up_forward(specs, torch.cat(features))
 
     def _sync_row(self, req: Request, state: "_EagleState", row: int) -> None:
         """First draft of an admission: keep the valid draft entries of a radix-cached prefix.

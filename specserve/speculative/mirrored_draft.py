@@ -4,12 +4,13 @@ scratch region for the tree nodes of a step, K draft rows per scheduler row, and
 draft-cost timing."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
 from specserve.core import Request
-from specserve.speculative.base import Proposer, ProposerContext, sync_fn
+from specserve.speculative.base import Proposer, ProposerContext, catch_up_share, sync_fn
 from specserve.speculative.policy import CostCurve, measure_cost_curve
 
 
@@ -30,6 +31,15 @@ class MirroredDraftProposer(Proposer):
     def on_skipped(self, engine, items: list) -> None:
         for item in items:
             self._mark(item.new_slots, False)
+
+    def _catch_up_forward(self, specs: list, *inputs):
+        """``self.runner.forward(specs, *inputs)`` for the catch-up over each request's unseen
+        positions; sets ``last_switch_seconds`` (``catch_up_share`` of its time)."""
+        began = time.perf_counter()
+        out = self.runner.forward(specs, *inputs)
+        self.last_switch_seconds = catch_up_share([len(spec.token_ids) for spec in specs],
+                                                  self.params.num_draft_tokens, time.perf_counter() - began)
+        return out
 
     # ---- rows and slots ---------------------------------------------------------------
     def _base_row(self, engine, req: Request) -> int:

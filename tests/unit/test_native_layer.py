@@ -235,7 +235,7 @@ def test_an_eagle3_head_in_one_call_gives_the_bits_of_its_separate_calls(dtype, 
             monkeypatch.setattr(Eagle3Head, "_runs_in_one_call", lambda *args: False)
         cache = _cache(dtype)
         with torch.inference_mode():
-            assert head._runs_in_one_call(ids, features, positions, meta) == one_call
+            assert head._runs_in_one_call(ids, features, positions, meta, head._ends()) == one_call
             outs.append(head(ids, features, positions, cache, meta))
         caches.append(cache)
     assert torch.equal(outs[0], outs[1])
