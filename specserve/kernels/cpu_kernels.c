@@ -3,4 +3,3 @@
 #include "paged_attention.c"
 #include "decoder_layer.c"
 #include "ngram_trie.c"
-#include "row_metadata.c"

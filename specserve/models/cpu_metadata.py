@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.kernels import attention as attention_kernel
 from specserve.models.attention import ROW_INVARIANT_MAX_QUERY, AttentionMetadata
 from specserve.models.row_invariant_attention import KEY_BLOCK
 
@@ -23,11 +22,6 @@ def build_cpu_metadata(prefix_lens: list[int], extend_lens: list[int], table: np
                        num_kv_groups: int, pad_slot: int | None) -> AttentionMetadata:
     """``attention.build_metadata`` for the native kernel: ``table`` [rows, width] int64 holds
     each row's slots in token order, ``rows`` the table row of each request."""
-    if pad_slot is not None and table.dtype == np.int64 and attention_kernel.row_metadata_available():
-        max_q = max(extend_lens)
-        if max_q <= ROW_INVARIANT_MAX_QUERY:
-            return _native_metadata(prefix_lens, extend_lens, table, rows, out_cache_loc, tree_masks, num_kv_groups,
-                                    pad_slot, max_q)
     prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
     if pad_slot is not None and all(n == 1 for n in extend_lens) and all(m is None for m in tree_masks):
         return _decode_metadata(prefix + 1, table, rows, out_cache_loc, num_kv_groups, pad_slot)
@@ -51,26 +45,6 @@ def build_cpu_metadata(prefix_lens: list[int], extend_lens: list[int], table: np
     row_query = (np.arange(row_batch.shape[0]) - np.repeat(starts, extend)).astype(np.int32)
     return AttentionMetadata(out_cache_loc, torch.from_numpy(kv_indices), None, query_index, output_index,
                              len(rows), max_q, row_invariant, query_mask=torch.from_numpy(query_mask),
-                             row_batch=torch.from_numpy(row_batch), row_query=torch.from_numpy(row_query),
-                             num_kv_groups=num_kv_groups)
-
-
-def _native_metadata(prefix_lens: list[int], extend_lens: list[int], table: np.ndarray, rows: list[int],
-                     out_cache_loc: torch.Tensor, tree_masks: list[torch.Tensor | None], num_kv_groups: int,
-                     pad_slot: int, max_q: int) -> AttentionMetadata:
-    """The row-invariant path's metadata in one native call (``row_metadata.c``): the same values."""
-    masks = [None if m is None else m.to(torch.bool).contiguous() for m in tree_masks]   # alive during the call
-    specs = np.array([(row, p, n, 0 if m is None else m.data_ptr())
-                      for row, p, n, m in zip(rows, prefix_lens, extend_lens, masks)], dtype=np.int64)
-    max_len = max(p + n for p, n in zip(prefix_lens, extend_lens))
-    num_keys = -(-max_len // KEY_BLOCK) * KEY_BLOCK
-    is_padded = min(extend_lens) != max_q
-    kv, query_mask, row_batch, row_query, query_index, output_index = attention_kernel.row_metadata(
-        np.ascontiguousarray(table), specs, pad_slot, num_keys, max_q, sum(extend_lens), is_padded)
-    return AttentionMetadata(out_cache_loc, torch.from_numpy(kv), None,
-                             None if query_index is None else torch.from_numpy(query_index),
-                             None if output_index is None else torch.from_numpy(output_index),
-                             len(rows), max_q, True, query_mask=torch.from_numpy(query_mask),
                              row_batch=torch.from_numpy(row_batch), row_query=torch.from_numpy(row_query),
                              num_kv_groups=num_kv_groups)
 

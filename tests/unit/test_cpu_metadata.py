@@ -1,7 +1,7 @@
 """``build_cpu_metadata`` (numpy, straight from the request->slot table) gives the metadata
 ``build_metadata`` (torch ops on gathered table rows) gives the native attention kernel: the
 same key slots, masks, padding indices and row maps, for decode batches, verification trees
-of mixed widths and prefill chunks; from the native builder (``row_metadata.c``) and from numpy."""
+of mixed widths and prefill chunks."""
 from __future__ import annotations
 
 import pytest
@@ -17,14 +17,6 @@ pytestmark = pytest.mark.skipif(not attention_kernel.is_available(),
 
 PAD_SLOT = 4095
 GROUPS = 3
-
-
-@pytest.fixture(params=["native", "numpy"], autouse=True)
-def builder(request, monkeypatch):
-    """Every test runs on both builders of the row-invariant path."""
-    if request.param == "numpy":
-        monkeypatch.setattr(attention_kernel, "row_metadata_available", lambda: False)
-    return request.param
 
 
 def _table(num_rows: int, width: int, seed: int) -> torch.Tensor:
