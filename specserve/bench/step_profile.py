@@ -26,8 +26,8 @@ def profile_decode(core, id_lists: list[list[int]], max_new_tokens: int) -> dict
         core.step()
     native_layer.profile(True)
     num_steps = 0
-    with _timed(core, "step", seconds), _timed(core.runner, "forward", seconds), \
-            _timed(model, "compute_logits", seconds), _timed(model.model.norm, "forward", seconds, "final norm"):
+    with timed(core, "step", seconds), timed(core.runner, "forward", seconds), \
+            timed(model, "compute_logits", seconds), timed(model.model.norm, "forward", seconds, "final norm"):
         while core.has_unfinished():
             core.step()
             num_steps += 1
@@ -53,19 +53,19 @@ def _breakdown(seconds: dict[str, float], layer_ops: dict[str, float], num_steps
 
 
 @contextlib.contextmanager
-def _timed(obj, name: str, seconds: dict[str, float], key: str | None = None):
+def timed(obj, name: str, seconds: dict[str, float], key: str | None = None):
     """Accumulate the wall time of ``obj.name(...)`` calls into ``seconds[key or name]``."""
     original: Callable = getattr(obj, name)
     key = key or name
 
-    def timed(*args, **kwargs):
+    def clocked(*args, **kwargs):
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
 
-    setattr(obj, name, timed)
+    setattr(obj, name, clocked)
     try:
         yield
     finally:

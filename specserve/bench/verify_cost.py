@@ -3,7 +3,9 @@
 Time of one target forward over W new tokens on top of a context of C tokens already in the KV
 cache (batch 1), for each W in ``--widths`` and each dtype: the median over repeats, in ms and
 as a ratio to W=1. This is what a speculative verify pass of W draft tokens costs compared with
-one plain decode step; speculation pays off while accept length > cost ratio.
+one plain decode step; speculation pays off while accept length > cost ratio. ``--profile``
+splits each width's forward into the native layers' linears and attention, the LM head and the
+rest (medians over the repeats): which part grows with W.
 
 Uses LLMEngine internals directly: the context is prefilled once into slots from the pool, and
 each timed forward takes W fresh slots (``pool.extend_slots``) that are released right after.
@@ -11,6 +13,7 @@ each timed forward takes W fresh slots (``pool.extend_slots``) that are released
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from typing import Any
 
@@ -31,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (steadier at one thread on a "
                              "machine other jobs share; meaningless with more threads, which spin)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split each width's forward into linears, attention, LM head and the rest "
+                             "(the native layers' op clocks)")
     parser.add_argument("--mask", choices=("causal", "tree"), default="causal",
                         help="causal: no mask (a chain); tree: pass an explicit [W, W] mask, as a "
                              "tree verify does (lower-triangular, so the same tokens are seen)")
@@ -51,6 +57,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for dtype in dtypes:
         result["curves"][dtype] = _run_dtype(args, dtype, widths)
     _print(result)
+    if args.profile:
+        for dtype, curve in result["curves"].items():
+            _print_parts(dtype, result, curve)
     return result
 
 
@@ -98,16 +107,22 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
     if ctx_slots is None:
         raise RuntimeError("KV pool too small for the context")
     times: dict[int, list[float]] = {w: [] for w in widths}
+    parts: dict[int, list[dict[str, float]]] = {w: [] for w in widths}
     draft = ctx[-max(widths):] if len(ctx) >= max(widths) else (ctx * max(widths))[:max(widths)]
+    profiler = _PartClock(core) if getattr(args, "profile", False) else None
     try:
         core.runner.forward([ExtendSpec(row=row, prefix_len=0, token_ids=ctx, new_slots=ctx_slots, num_logits=1)])
         total = (args.warmup + args.repeats) * len(widths)
-        with tqdm(total=total, desc=f"verify-cost {core.runner.dtype}".replace("torch.", ""), leave=False) as bar:
+        with tqdm(total=total, desc=f"verify-cost {core.runner.dtype}".replace("torch.", ""), leave=False) as bar, \
+                (profiler or contextlib.nullcontext()):
             for repeat in range(args.warmup + args.repeats):
                 for width in widths:
                     elapsed = _one_forward(core, row, ctx_slots, draft[:width], args.mask, sync, args.clock)
+                    split = profiler.take(elapsed) if profiler else None
                     if repeat >= args.warmup:
                         times[width].append(elapsed)
+                        if split is not None:
+                            parts[width].append(split)
                     bar.update(1)
     finally:
         core.pool.release_slots(ctx_slots)
@@ -118,7 +133,46 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
         rows.append({"width": width, "median_ms": ms, "min_ms": min(times[width]) * 1000,
                      "ratio_vs_w1": report.ratio(ms, base * 1000), "ms_per_token": ms / width,
                      "samples_ms": [t * 1000 for t in times[width]]})
+        if parts[width]:
+            rows[-1]["parts_ms"] = {name: report.median([p[name] for p in parts[width]]) * 1000 for name in PARTS}
     return rows
+
+
+PARTS = ("linears", "attention", "lm_head", "rest")
+
+
+class _PartClock(contextlib.ExitStack):
+    """While entered: the native layers' op clocks on and the model's LM head timed; ``take(seconds)``
+    splits the forward just timed into PARTS (seconds; "rest": norms, rotary, the model's ends,
+    metadata and Python)."""
+
+    def __init__(self, core) -> None:
+        super().__init__()
+        self.model = core.runner.model
+        self._seconds: dict[str, float] = {}
+
+    def __enter__(self) -> "_PartClock":
+        from specserve.bench.step_profile import timed
+        from specserve.kernels import layer as native_layer
+
+        super().__enter__()
+        self.enter_context(timed(self.model, "compute_logits", self._seconds))
+        native_layer.profile(True)
+        self.callback(native_layer.profile, False)
+        return self
+
+    def take(self, seconds: float) -> dict[str, float]:
+        from specserve.kernels import layer as native_layer
+
+        return split_forward(seconds, native_layer.profile(True), self._seconds.pop("compute_logits", 0.0))
+
+
+def split_forward(seconds: float, layer_ops: dict[str, float], lm_head: float) -> dict[str, float]:
+    """One forward's ``seconds`` as PARTS, from the native layers' op clocks (``layer.profile``)."""
+    linears = sum(layer_ops.get(op, 0.0) for op in ("qkv", "o_proj", "gate_up", "down"))
+    attention = layer_ops.get("attention", 0.0)
+    return {"linears": linears, "attention": attention, "lm_head": lm_head,
+            "rest": seconds - linears - attention - lm_head}
 
 
 def _one_forward(core, row: int, ctx_slots: list[int], tokens: list[int], mask: str, sync,
@@ -158,3 +212,13 @@ def _print(result: dict[str, Any]) -> None:
                              f"context, batch 1, median of {result['repeats']} ({result['mask']} mask, "
                              f"--quantization {result['quantization'] or 'unquant'}, {result['kernel_variant']} "
                              f"kernels, {result['clock']} clock)")
+
+
+def _print_parts(dtype: str, result: dict[str, Any], curve: list[dict[str, Any]]) -> None:
+    if not all("parts_ms" in row for row in curve):
+        return
+    rows = [[f"{name} ms"] + [row["parts_ms"][name] for row in curve] for name in PARTS]
+    rows.append(["attention %"] + [100 * row["parts_ms"]["attention"] / row["median_ms"] for row in curve])
+    report.print_table(["W"] + [str(w) for w in result["widths"]], rows,
+                       title=f"{dtype}: one forward by part (medians; linears: the layers' four matmuls, their "
+                             f"input quantization included; rest: norms, rotary, the model's ends, metadata, Python)")

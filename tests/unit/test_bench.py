@@ -360,3 +360,41 @@ def test_the_step_profile_names_where_the_final_norm_ran():
     assert "final norm" not in native["ms_per_step"]
     assert native["ms_per_step"]["rest of forward (embedding and final norm natively, metadata, Python)"] == 1500.0
     assert native["of_which_input_quantization_ms"] == 250.0
+
+
+def test_verify_cost_splits_a_forward_into_linears_attention_lm_head_and_the_rest():
+    """``bench verify-cost --profile``: the layers' four matmuls (their input quantization is
+    inside their clocks, so not added again) and attention from the native op clocks, the LM head
+    as timed, the rest what remains of the forward."""
+    from specserve.bench.verify_cost import split_forward
+
+    ops = {"norms + adds": 0.1, "qkv": 1.0, "rotary + kv write": 0.2, "attention": 3.0, "o_proj": 0.5,
+           "gate_up": 2.0, "silu": 0.1, "down": 1.5, "input quantization": 0.4}
+    parts = split_forward(10.0, ops, 1.2)
+    assert parts["linears"] == pytest.approx(5.0) and parts["attention"] == 3.0 and parts["lm_head"] == 1.2
+    assert parts["rest"] == pytest.approx(10.0 - 5.0 - 3.0 - 1.2)
+
+
+def test_verify_cost_profile_times_each_part_of_a_native_forward(tmp_path):
+    """On a tiny model whose layers run natively (w8a8_int8), every width gets its parts, with time
+    in the linears, attention and LM head, within the forward's own time; no slot is left taken."""
+    from specserve.bench import verify_cost
+    from specserve.engine import Engine
+    from specserve.kernels import int_codes
+    from tests.model.tiny_llama import random_weights, tiny_config, write_tiny_model
+
+    if not int_codes.is_available():
+        pytest.skip("CPU kernels not built here")
+    model = write_tiny_model(tmp_path / "tiny", random_weights(tiny_config(), seed=5))
+    engine = Engine(model_path=str(model), quantization="w8a8_int8", dtype="float32", max_total_tokens=512,
+                    context_length=256, disable_radix_cache=True)
+    args = SimpleNamespace(profile=True, warmup=1, repeats=3, mask="causal", clock="wall")
+    free = engine.engine.pool.num_free_tokens
+    rows = verify_cost._measure(engine.engine, list(range(1, 30)), [1, 4], args, lambda: None)
+    assert engine.engine.pool.num_free_tokens == free                  # the context's and widths' slots back
+    assert [row["width"] for row in rows] == [1, 4]
+    for row in rows:
+        parts = row["parts_ms"]
+        assert set(parts) == set(verify_cost.PARTS)
+        assert parts["linears"] > 0 and parts["attention"] > 0 and parts["lm_head"] > 0
+        assert parts["rest"] >= 0                  # the parts' clocks run inside the forward's
