@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     widths = sorted(set(serving.parse_int_list(args.widths)))
     if args.context < 1:
         raise ValueError("--context must be >= 1")
+    if args.profile:
+        _check_profile(args)
     dtypes = parse_dtypes(args.dtypes)
     from specserve.kernels import skinny
 
@@ -139,6 +141,16 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
 
 
 PARTS = ("linears", "attention", "lm_head", "rest")
+
+
+def _check_profile(args: argparse.Namespace) -> None:
+    from specserve.kernels import layer as native_layer
+
+    if args.clock != "wall":
+        raise ValueError("--profile splits wall-clock time: use it with --clock wall")
+    if not native_layer.is_available():
+        raise ValueError("--profile reads the native layers' clocks, and the CPU kernels are not built here "
+                         "(see specserve/kernels/build.py)")
 
 
 class _PartClock(contextlib.ExitStack):

@@ -398,3 +398,12 @@ def test_verify_cost_profile_times_each_part_of_a_native_forward(tmp_path):
         assert set(parts) == set(verify_cost.PARTS)
         assert parts["linears"] > 0 and parts["attention"] > 0 and parts["lm_head"] > 0
         assert parts["rest"] >= 0                  # the parts' clocks run inside the forward's
+
+
+def test_verify_cost_profile_refuses_the_cpu_clock(capsys, tmp_path):
+    """The parts are wall-clock times: with --clock cpu they would not add up to the forward's."""
+    from specserve.bench.cli import main as bench_main
+
+    assert bench_main(["verify-cost", "--profile", "--clock", "cpu", "--widths", "1",
+                       "--model-path", str(tmp_path)]) == 2
+    assert "error: --profile splits wall-clock time" in capsys.readouterr().err
