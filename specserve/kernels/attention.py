@@ -23,15 +23,18 @@ def can_run(q: torch.Tensor, k_layer: torch.Tensor) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, kv_indices: torch.Tensor,
-                    query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> torch.Tensor:
+                    query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor,
+                    library=None) -> torch.Tensor:
     """q [T, nh, hd]; k_layer/v_layer [S, nkv, hd] (contiguous); kv_indices [B, L] int64;
     query_mask [B, Q, L] bool (True = attend); row_batch/row_query [T] int32: the request and
-    query index of each row. Returns [T, nh * hd] in q's dtype (the cache may hold another one)."""
+    query index of each row. Returns [T, nh * hd] in q's dtype (the cache may hold another one).
+    ``library``: a particular kernel variant (``build.load_variant``), default the loaded one."""
     q, kv_indices, query_mask = q.contiguous(), kv_indices.contiguous(), query_mask.contiguous()
     num_rows, num_heads, head_dim = q.shape
     out = q.new_empty(num_rows, num_heads * head_dim)
     batch, num_queries, num_keys = query_mask.shape
-    status = _function()(
+    fn = _function() if library is None else build.function_of(library, "paged_attention", _ARGTYPES)
+    status = fn(
         q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), kv_indices.data_ptr(),
         query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), num_rows, num_keys, num_queries,
         num_heads, k_layer.shape[1], head_dim, DTYPE_CODES[q.dtype], DTYPE_CODES[k_layer.dtype],
@@ -42,6 +45,9 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     return out
 
 
+_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 9
+
+
 @functools.cache
 def _function():
-    return build.function("paged_attention", [ctypes.c_void_p] * 8 + [ctypes.c_int] * 9)
+    return build.function("paged_attention", _ARGTYPES)

@@ -19,9 +19,10 @@
    r_i = p_i + p_(i+8), s_i = r_i + r_(i+4), total = (s_0 + s_1) + (s_2 + s_3). Keys are scored
    16 (AVX-512) or 8 (AVX2) at a time, each key's partial sums in a register of its own, and the
    trees of a tile's keys are summed together by shuffles into one vector of scores: no
-   horizontal sum per key. The query heads of a GQA group share each key's loads, and the
-   weighted values are summed for several heads at once (each element one chain of FMAs over l,
-   the same whatever the vector width). Rows of one request (a verify forward, a prefill chunk)
+   horizontal sum per key (AVX2 with bfloat16 rows of 64: each key's row widened once in
+   registers for all the tile's queries, the same chains and tree). The query heads of a GQA
+   group share each key's loads, and the weighted values are summed for several heads at once
+   (each element one chain of FMAs over l, the same whatever the vector width). Rows of one request (a verify forward, a prefill chunk)
    go in segments: the keys every row of a segment attends to are scored tile by tile and
    weighed chunk by chunk for all its rows while those keys are in L1, and each row then goes
    on alone with its own keys; every score and every FMA chain is the one the row would get
@@ -172,11 +173,52 @@ static void tile_rows(const char *const *rows, const char **out, float *widened,
     }
 }
 
+/* Whether score_tile_bf16_64 scores these rows: AVX2 (its 16 registers cannot hold a query and
+   the 8 keys' chains, so the keys are widened once and the queries read from L1), bfloat16 rows of
+   64. Elsewhere tile_rows and score_tile. */
+static inline int scores_bf16_64(int head_dim, int is_bf16) { return ATT_LANES == 8 && is_bf16 && head_dim == 64; }
+
+#if ATT_LANES == 8
+/* The scores of 8 keys (their bfloat16 rows of 64 at key_rows) for nq scaled queries qs[j] into
+   out[j] + l0 (n of them: a short last tile repeats a key). Each key's row is widened once, in
+   registers, for every query, instead of into memory and read back per query (1.2x a decode
+   step's attention on a Zen3); each query's two chains per key and the reduction of the 8 keys'
+   partial sums are score_tile_f32's and reduce_tile's, so the scores have the same bits. */
+static void score_tile_bf16_64(const float *const *qs, int nq, const char *const *key_rows, float *const *out,
+                               int l0, int n) {
+    __m256 part[ROW_BLOCK * MAX_GROUP][8];
+    for (int i = 0; i < 8; i++) {
+        const uint16_t *row = (const uint16_t *)key_rows[i];
+        __m256 k[8];
+        for (int c = 0; c < 8; c++) k[c] = load_bf16(row + 8 * c);
+        for (int j = 0; j < nq; j++) {
+            const float *q = qs[j];
+            __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
+            __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
+            for (int c = 2; c < 8; c += 2) {
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), k[c], lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c + 8), k[c + 1], hi);
+            }
+            part[j][i] = _mm256_add_ps(lo, hi);
+        }
+    }
+    for (int j = 0; j < nq; j++) v_store_part(out[j] + l0, reduce_tile(part[j]), n);
+}
+#else
+static void score_tile_bf16_64(const float *const *qs, int nq, const char *const *key_rows, float *const *out,
+                               int l0, int n) {
+    (void)qs, (void)nq, (void)key_rows, (void)out, (void)l0, (void)n;      /* scores_bf16_64 is 0 here */
+}
+#endif
+
 /* scores[g * padded + l] = q_g . K[slots[l]] for the `group` query heads (q: group x hd16,
    zero padded), ATT_LANES keys at a time (a short last tile repeats its first key) */
 static void score_keys(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
                        int group, int head_dim, int hd16, int is_bf16, int padded, float *scores) {
-    const int esize = is_bf16 ? 2 : 4;
+    const int esize = is_bf16 ? 2 : 4, in_registers = scores_bf16_64(head_dim, is_bf16);
+    const float *qs[MAX_GROUP];
+    float *outs[MAX_GROUP];
+    for (int g = 0; g < group; g++) qs[g] = q + g * hd16, outs[g] = scores + g * padded;
     float widened[ATT_LANES * MAX_HEAD_DIM];
     for (int l0 = 0; l0 < num_keys; l0 += ATT_LANES) {
         const int n = num_keys - l0 < ATT_LANES ? num_keys - l0 : ATT_LANES;
@@ -184,6 +226,10 @@ static void score_keys(const float *q, const char *k_base, long slot_stride, con
         for (int i = 0; i < ATT_LANES; i++) rows[i] = k_base + slots[l0 + (i < n ? i : 0)] * slot_stride;
         for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < num_keys; i++)   /* the next tile's keys */
             prefetch_row(k_base + slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
+        if (in_registers) {
+            score_tile_bf16_64(qs, group, rows, outs, l0, n);
+            continue;
+        }
         tile_rows(rows, keys, widened, head_dim, hd16, is_bf16);
         for (int g = 0; g < group; g++)
             v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16), n);
@@ -408,6 +454,14 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
     }
     int common = shared - k0;                /* keys of this split every row attends to */
     common = common < 0 ? 0 : common > KEY_SPLIT ? KEY_SPLIT : common;
+    const int in_registers = scores_bf16_64(head_dim, is_bf16);
+    const float *qs[ROW_BLOCK * MAX_GROUP];
+    float *outs[ROW_BLOCK * MAX_GROUP];
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < group; g++) {
+            qs[r * group + g] = s[r].qf + q0 + g * hd16;
+            outs[r * group + g] = s[r].scores + g * ((count[r] + 7) / 8 * 8);
+        }
     for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
         const char *tile[ATT_LANES], *keys[ATT_LANES];
         float widened[ATT_LANES * MAX_HEAD_DIM];
@@ -415,6 +469,10 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
         for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + slots[l0 + i] * stride;
         for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < common; i++)
             prefetch_row(k_base + slots[l0 + ATT_LANES + i] * stride, head_dim * esize);
+        if (in_registers) {
+            score_tile_bf16_64(qs, rows * group, tile, outs, l0, ATT_LANES);
+            continue;
+        }
         tile_rows(tile, keys, widened, head_dim, hd16, is_bf16);
         for (int r = 0; r < rows; r++) {
             const int padded = (count[r] + 7) / 8 * 8;

@@ -124,11 +124,12 @@ def test_decode_rows_beside_a_tree_attend_unpadded_and_unchanged(dtype, attentio
     assert torch.equal(tree, together[2:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefix", [40, 700])
-def test_thread_count_does_not_change_bits(prefix):
+def test_thread_count_does_not_change_bits(prefix, dtype):
     """The kernel shares few rows out by KV head and key split, more rows by segment: whichever
     the thread count picks, every row gets the same bits."""
-    cache = _cache(torch.float32)
+    cache = _cache(dtype)
     n = 3
     q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
     k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
@@ -144,10 +145,11 @@ def test_thread_count_does_not_change_bits(prefix):
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
-def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone(dtype):
     """8 chained rows over 2,100 keys: the kernel shares such a verify out by KV head and key
     split; each row must still get the bits of its plain decode step."""
-    cache = _cache(torch.float32)
+    cache = _cache(dtype)
     n, prefix = 8, 2100
     q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
     k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
@@ -163,3 +165,37 @@ def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(_attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:]), verify)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_runnable_kernel_variant_gives_the_same_bits(dtype, attention_path):
+    """The AVX2 variant (8 keys a tile; bfloat16 rows of 64 widened in registers) and the
+    AVX-512 one (16 keys a tile) compute the same sums: one result, whatever the CPU, for decode
+    rows, a tree-masked verify beside them and contexts across key splits. Variants this CPU
+    cannot run are skipped."""
+    from specserve.kernels import build
+
+    if attention_path != "native kernel":
+        pytest.skip("compares the native kernel's variants")
+    variants = [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]
+    if len(variants) < 2:
+        pytest.skip(f"only {variants} runs on this CPU")
+    torch.manual_seed(3)
+    cache = _cache(dtype)
+    prefix_lens, extend_lens = [700, 40, 300], [1, 1, 6]
+    rows = [list(range(100 + 1000 * b, 100 + 1000 * b + p + e)) for b, (p, e) in enumerate(zip(prefix_lens, extend_lens))]
+    tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+    width = max(p + e for p, e in zip(prefix_lens, extend_lens))
+    kv_indices = torch.full((3, -(-width // 64) * 64), PAD_SLOT, dtype=torch.int64)
+    for b, slots in enumerate(rows):
+        kv_indices[b, :len(slots)] = torch.tensor(slots)
+    meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor([s[-1] for s in rows[:2]] + rows[2][-6:]),
+                          [None, None, tree], num_kv_groups=GROUP, pad_slot=PAD_SLOT)
+    q = torch.randn(sum(extend_lens), NUM_KV * GROUP, HEAD_DIM)
+    results = [attention_kernel.paged_attention(q, cache.k[0], cache.v[0], meta.kv_indices, meta.query_mask,
+                                                meta.row_batch, meta.row_query, library=build.load_variant(name))
+               for name in variants]
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
