@@ -22,12 +22,12 @@
    horizontal sum per key (AVX2 with bfloat16 rows of 64: each key's row widened once in
    registers for all the tile's queries, the same chains and tree). The query heads of a GQA
    group share each key's loads, and the weighted values are summed for several heads at once
-   (each element one chain of FMAs over l, the same whatever the vector width). Rows of one request (a verify forward, a prefill chunk)
-   go in segments: the keys every row of a segment attends to are scored tile by tile and
-   weighed chunk by chunk for all its rows while those keys are in L1, and each row then goes
-   on alone with its own keys; every score and every FMA chain is the one the row would get
-   alone. A few rows (a decode step) go as tasks of one row, KV head and key split each, so
-   the threads share a long context.
+   (each element one chain of FMAs over l, the same whatever the vector width). Rows of one
+   request (a verify forward, a prefill chunk) go in segments: the keys every row of a segment
+   attends to are scored tile by tile and weighed chunk by chunk for all its rows while those
+   keys are in L1, and each row then goes on alone with its own keys; every score and every FMA
+   chain is the one the row would get alone. A few rows (a decode step) go as tasks of one row,
+   KV head and key split each, so the threads share a long context.
    Built by build.py (cpu_kernels.c), called from attention.py and decoder_layer.c. */
 #include "common.h"
 
@@ -181,9 +181,9 @@ static inline int scores_bf16_64(int head_dim, int is_bf16) { return ATT_LANES =
 #if ATT_LANES == 8
 /* The scores of 8 keys (their bfloat16 rows of 64 at key_rows) for nq scaled queries qs[j] into
    out[j] + l0 (n of them: a short last tile repeats a key). Each key's row is widened once, in
-   registers, for every query, instead of into memory and read back per query (1.2x a decode
-   step's attention on a Zen3); each query's two chains per key and the reduction of the 8 keys'
-   partial sums are score_tile_f32's and reduce_tile's, so the scores have the same bits. */
+   registers, for every query, instead of into memory and read back per query (attention
+   1.03-1.2x faster in a forward on a Zen3); each query's two chains per key and the reduction
+   of the 8 keys' partial sums are score_tile_f32's and reduce_tile's: the same bits. */
 static void score_tile_bf16_64(const float *const *qs, int nq, const char *const *key_rows, float *const *out,
                                int l0, int n) {
     __m256 part[ROW_BLOCK * MAX_GROUP][8];
