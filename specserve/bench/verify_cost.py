@@ -111,7 +111,7 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
     times: dict[int, list[float]] = {w: [] for w in widths}
     parts: dict[int, list[dict[str, float]]] = {w: [] for w in widths}
     draft = ctx[-max(widths):] if len(ctx) >= max(widths) else (ctx * max(widths))[:max(widths)]
-    profiler = _PartClock(core) if getattr(args, "profile", False) else None
+    profiler = _PartClock(core) if args.profile else None
     try:
         core.runner.forward([ExtendSpec(row=row, prefix_len=0, token_ids=ctx, new_slots=ctx_slots, num_logits=1)])
         total = (args.warmup + args.repeats) * len(widths)
@@ -159,24 +159,23 @@ class _PartClock(contextlib.ExitStack):
     metadata and Python)."""
 
     def __init__(self, core) -> None:
+        from specserve.kernels import layer as native_layer
+
         super().__init__()
-        self.model = core.runner.model
+        self.model, self.native_layer = core.runner.model, native_layer
         self._seconds: dict[str, float] = {}
 
     def __enter__(self) -> "_PartClock":
         from specserve.bench.step_profile import timed
-        from specserve.kernels import layer as native_layer
 
         super().__enter__()
         self.enter_context(timed(self.model, "compute_logits", self._seconds))
-        native_layer.profile(True)
-        self.callback(native_layer.profile, False)
+        self.native_layer.profile(True)
+        self.callback(self.native_layer.profile, False)
         return self
 
     def take(self, seconds: float) -> dict[str, float]:
-        from specserve.kernels import layer as native_layer
-
-        return split_forward(seconds, native_layer.profile(True), self._seconds.pop("compute_logits", 0.0))
+        return split_forward(seconds, self.native_layer.profile(True), self._seconds.pop("compute_logits", 0.0))
 
 
 def split_forward(seconds: float, layer_ops: dict[str, float], lm_head: float) -> dict[str, float]:

@@ -218,7 +218,7 @@ static void score_keys(const float *q, const char *k_base, long slot_stride, con
     const int esize = is_bf16 ? 2 : 4, in_registers = scores_bf16_64(head_dim, is_bf16);
     const float *qs[MAX_GROUP];
     float *outs[MAX_GROUP];
-    for (int g = 0; g < group; g++) qs[g] = q + g * hd16, outs[g] = scores + g * padded;
+    for (int g = 0; in_registers && g < group; g++) qs[g] = q + g * hd16, outs[g] = scores + g * padded;
     float widened[ATT_LANES * MAX_HEAD_DIM];
     for (int l0 = 0; l0 < num_keys; l0 += ATT_LANES) {
         const int n = num_keys - l0 < ATT_LANES ? num_keys - l0 : ATT_LANES;
@@ -457,7 +457,7 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
     const int in_registers = scores_bf16_64(head_dim, is_bf16);
     const float *qs[ROW_BLOCK * MAX_GROUP];
     float *outs[ROW_BLOCK * MAX_GROUP];
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; in_registers && r < rows; r++)
         for (int g = 0; g < group; g++) {
             qs[r * group + g] = s[r].qf + q0 + g * hd16;
             outs[r * group + g] = s[r].scores + g * ((count[r] + 7) / 8 * 8);
