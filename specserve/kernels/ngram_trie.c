@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define NG_MOD ((1ULL << 61) - 1)
 #define NG_BASE (0x9E3779B97F4A7C15ULL % NG_MOD)
@@ -30,13 +31,46 @@ typedef struct {
 typedef struct {
     long capacity;
     int min_window, max_window, branch_length, min_breadth, max_breadth, max_depth;
-    ng_node *nodes;
+    ng_node *nodes;                             /* room for slot_capacity (ng_map) */
     int32_t num_slots, num_used, free_head;    /* free slots chain through lru_next */
+    long slot_capacity;
     int32_t lru_head, lru_tail;
     int32_t *table;                             /* slot + 1, 0 = empty */
     uint64_t table_mask;
     int64_t clock;
 } ng_trie;
+
+#define NG_HUGE_PAGE (2L << 20)
+
+/* `bytes` of zeroed memory (a multiple of NG_HUGE_PAGE from 2 MiB on, aligned to it) advised for
+   transparent huge pages. The trie is read at random: a million nodes span ~70 MB, so in 4 KiB
+   pages nearly every access is a TLB miss and, in a VM, a two-level page walk. In a decode step
+   the weights' stream has evicted all of it: feeding one token then cost ~150 us, matching ~45
+   (one core of a Zen3 VM, 1.1M nodes). */
+static void *ng_map(size_t bytes) {
+    const size_t slop = bytes >= (size_t)NG_HUGE_PAGE ? (size_t)NG_HUGE_PAGE : 0;
+    char *p = (char *)mmap(NULL, bytes + slop, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    if (slop) {                                 /* keep the aligned part */
+        const size_t head = (size_t)(-(uintptr_t)p & (uintptr_t)(NG_HUGE_PAGE - 1));
+        if (head) munmap(p, head);
+        if (slop - head) munmap(p + head + bytes, slop - head);
+        p += head;
+#ifdef MADV_HUGEPAGE
+        madvise(p, bytes, MADV_HUGEPAGE);       /* a hint: refused or THP off, 4 KiB pages serve */
+#endif
+    }
+    return p;
+}
+
+/* ng_map's size for `bytes` */
+static size_t ng_map_size(size_t bytes) {
+    return bytes < (size_t)NG_HUGE_PAGE ? bytes : (bytes + NG_HUGE_PAGE - 1) / NG_HUGE_PAGE * NG_HUGE_PAGE;
+}
+
+static void ng_unmap(void *p, size_t bytes) {
+    if (p) munmap(p, bytes);
+}
 
 static inline uint64_t ng_step(uint64_t key, int32_t token) {
     return (uint64_t)(((unsigned __int128)key * NG_BASE + (uint64_t)token + 1) % NG_MOD);
@@ -76,14 +110,14 @@ static void ng_table_remove(ng_trie *t, uint64_t key) {        /* backward-shift
 
 static int ng_grow_table(ng_trie *t) {
     const uint64_t size = (t->table_mask + 1) * 2;
-    int32_t *table = (int32_t *)calloc(size, sizeof(int32_t)), *old = t->table;
+    int32_t *table = (int32_t *)ng_map(ng_map_size(size * sizeof(int32_t))), *old = t->table;
     if (!table) return -1;
     const uint64_t old_size = t->table_mask + 1;
     t->table = table;
     t->table_mask = size - 1;
     for (uint64_t i = 0; i < old_size; i++)
         if (old[i]) ng_table_put(t, t->nodes[old[i] - 1].key, old[i] - 1);
-    free(old);
+    ng_unmap(old, ng_map_size(old_size * sizeof(int32_t)));
     return 0;
 }
 
@@ -93,10 +127,15 @@ static int32_t ng_alloc_slot(ng_trie *t) {
         t->free_head = t->nodes[s].lru_next;
         return s;
     }
-    if (t->num_slots % 4096 == 0) {
-        ng_node *nodes = (ng_node *)realloc(t->nodes, (size_t)(t->num_slots + 4096) * sizeof(ng_node));
+    if (t->num_slots == t->slot_capacity) {     /* room doubles (untouched pages cost nothing) */
+        const long capacity = t->slot_capacity ? 2 * t->slot_capacity : 4096;
+        const size_t bytes = ng_map_size((size_t)capacity * sizeof(ng_node));
+        ng_node *nodes = (ng_node *)ng_map(bytes);
         if (!nodes) return NG_NONE;
+        if (t->nodes) memcpy(nodes, t->nodes, (size_t)t->num_slots * sizeof(ng_node));
+        ng_unmap(t->nodes, ng_map_size((size_t)t->slot_capacity * sizeof(ng_node)));
         t->nodes = nodes;
+        t->slot_capacity = (long)(bytes / sizeof(ng_node));
     }
     return t->num_slots++;
 }
@@ -197,7 +236,7 @@ void *ngram_new(long capacity, int min_window, int max_window, int branch_length
     t->branch_length = branch_length, t->min_breadth = min_breadth, t->max_breadth = max_breadth;
     t->max_depth = max_window + branch_length;
     t->free_head = t->lru_head = t->lru_tail = NG_NONE;
-    t->table = (int32_t *)calloc(1024, sizeof(int32_t));
+    t->table = (int32_t *)ng_map(ng_map_size(1024 * sizeof(int32_t)));
     t->table_mask = 1023;
     if (!t->table) {
         free(t);
@@ -209,15 +248,18 @@ void *ngram_new(long capacity, int min_window, int max_window, int branch_length
 void ngram_free(void *handle) {
     ng_trie *t = (ng_trie *)handle;
     if (!t) return;
-    free(t->nodes), free(t->table), free(t);
+    ng_unmap(t->nodes, ng_map_size((size_t)t->slot_capacity * sizeof(ng_node)));
+    ng_unmap(t->table, ng_map_size((t->table_mask + 1) * sizeof(int32_t)));
+    free(t);
 }
 
 void ngram_clear(void *handle) {
     ng_trie *t = (ng_trie *)handle;
-    free(t->nodes);
+    ng_unmap(t->nodes, ng_map_size((size_t)t->slot_capacity * sizeof(ng_node)));
     memset(t->table, 0, (t->table_mask + 1) * sizeof(int32_t));
     t->nodes = NULL;
     t->num_slots = t->num_used = 0;
+    t->slot_capacity = 0;
     t->free_head = t->lru_head = t->lru_tail = NG_NONE;
 }
 
@@ -407,4 +449,15 @@ int ngram_match(void *handle, const int32_t *tail, int len, int max_nodes, int p
     const int breadth = span == 0 ? t->max_breadth
         : (int)nearbyint(t->max_breadth - (double)(window_len - t->min_window) / span * (t->max_breadth - t->min_breadth));
     return ng_bfs(t, s, breadth, max_nodes, tokens, parents);
+}
+
+/* NgramCache.feed_and_match: ngram_insert(tokens, total, num_new) when num_new > 0, then
+   ngram_match of the tokens' last min(total, max_window) (a proposer's step in one call);
+   returns ngram_match's result, -1 on bad arguments or no memory */
+int ngram_feed_match(void *handle, const int32_t *tokens, int total, int num_new, int max_nodes, int prob,
+                     int32_t *out_tokens, int32_t *out_parents) {
+    const ng_trie *t = (const ng_trie *)handle;
+    if (num_new > 0 && ngram_insert(handle, tokens, total, num_new) != 0) return -1;
+    const int len = total < t->max_window ? total : t->max_window;
+    return ngram_match(handle, tokens + total - len, len, max_nodes, prob, out_tokens, out_parents);
 }

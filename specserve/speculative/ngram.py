@@ -31,19 +31,24 @@ class NgramProposer(Proposer):
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         self.cache = make_ngram_cache(ctx.server_args)       # native where the CPU kernels load
-        self.window = ctx.server_args.speculative_ngram_max_match_window_size
         self.seconds_per_request = 0.0
 
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
         t0 = time.perf_counter()
-        trees = []
+        trees, most_fed = [], 0
         for item, cap in zip(items, max_nodes):
-            req = item.req
-            self._feed(req)
-            trees.append(self.cache.match(tail_ids(req, self.window), num_draft_tokens=cap,
-                                          suffix_keys=_state(req).suffix_keys))
-        per_request = (time.perf_counter() - t0) / max(len(items), 1)
-        self.seconds_per_request += COST_EMA_WEIGHT * (per_request - self.seconds_per_request)
+            req, state = item.req, _state(item.req)
+            num_new = max(req.seq_len - state.num_fed, 0)
+            most_fed = max(most_fed, num_new)
+            context = tail_ids(req, num_new + self.cache.max_depth)
+            tree, state.suffix_keys = self.cache.feed_and_match(context, num_new, cap, state.suffix_keys)
+            state.num_fed = max(state.num_fed, req.seq_len)
+            trees.append(tree)
+        # timed where each request fed at most the one token of its last step: a prompt (a
+        # request's first proposal) or tokens caught up after plain steps are one-off costs
+        if most_fed <= 1:
+            per_request = (time.perf_counter() - t0) / max(len(items), 1)
+            self.seconds_per_request += COST_EMA_WEIGHT * (per_request - self.seconds_per_request)
         return trees
 
     def on_verified(self, engine, items: list, emitted: list[list[int]]) -> None:

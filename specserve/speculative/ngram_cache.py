@@ -198,6 +198,16 @@ class NgramCache:
             tokens, parents = self._build_prob(rec, max_nodes)
         return DraftTree.from_lists(tokens, parents)
 
+    def feed_and_match(self, context: Sequence[int], num_new: int, num_draft_tokens: int | None = None,
+                       suffix_keys: list[int] | None = None) -> tuple[DraftTree, list[int] | None]:
+        """A proposer's step in one call: ``insert_incremental(context, num_new, suffix_keys)``
+        when there is something new, then ``match`` of the context's tail. Returns the tree and
+        the suffix keys after the feed (for the next call)."""
+        if num_new:
+            suffix_keys = self.insert_incremental(context, num_new, suffix_keys)
+        tail = context[-self.max_match_window_size:]
+        return self.match(tail, num_draft_tokens, suffix_keys=suffix_keys), suffix_keys
+
     def _match_args(self, context_tail: Sequence[int], num_draft_tokens: int | None,
                     match_type: str | None) -> tuple[int, str]:
         """``match``'s checked arguments: (tree size cap, "BFS" or "PROB")."""

@@ -256,6 +256,13 @@ class SpecPolicy:
         """Tree size per request this step (1: plain decoding); ``nodes[i]`` / ``depths[i]`` = its
         full tree's size and depth. ``can_pick`` False: ``may_pick_any`` said no for trees within
         these sizes, so only a probe can speculate (the same choice, without weighing the rest)."""
+        if all(n <= 1 for n in nodes):            # nothing to draft (most steps of a chat answer, NGRAM)
+            return self._nothing_to_draft(states)
+        return self._weigh(states, nodes, depths, can_pick)
+
+    def _weigh(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int],
+               can_pick: bool) -> list[int]:
+        """``select``'s choice, weighing every request."""
         bs = len(states)
         if self.is_always:
             for state, depth in zip(states, depths):
@@ -277,6 +284,22 @@ class SpecPolicy:
             state.predicted = expected_tokens(self.rate(state), min(depth, size - 1)) - 1.0
         self._log_change(bs, sum(size > 1 for size in sizes))
         return sizes
+
+    def _nothing_to_draft(self, states: list[RequestPolicyState]) -> list[int]:
+        """``_weigh``'s result and updates where every tree is root-only, without weighing: nobody is picked
+        (the share of picked requests decays), no request is due a probe (a probe needs a tree
+        with a draft), the probe credit accrues a plain step's share, and every request counts
+        one more skipped step and predicts no extra tokens."""
+        bs = len(states)
+        if not self.is_always:
+            self.picked_share -= PICKED_EMA_WEIGHT * self.picked_share
+            self.probe_credit += self._probe_accrual(self.cost(bs, bs, 1, 0), self.picked_share)
+            for state in states:
+                state.num_skipped += 1
+            self._log_change(bs, 0)
+        for state in states:
+            state.predicted = 0.0
+        return [1] * bs
 
     @property
     def calibration(self) -> float:

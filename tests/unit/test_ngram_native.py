@@ -75,3 +75,44 @@ def test_native_cache_rejects_what_the_reference_rejects():
         native.insert_incremental([1, 2], 3)
     with pytest.raises(ValueError):
         NativeNgramCache(min_match_window_size=3, max_match_window_size=2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_feed_and_match_is_a_feed_then_a_match_in_either_cache(seed):
+    """A proposer's step in one call (the native one a single ctypes call) gives what feeding
+    and matching apart give, in the Python reference and the native cache alike."""
+    rng = random.Random(seed)
+    params = dict(min_match_window_size=rng.choice([1, 2]), max_match_window_size=rng.choice([3, 6]),
+                  branch_length=rng.choice([2, 5]), max_bfs_breadth=rng.choice([1, 3]), num_draft_tokens=8,
+                  match_type=rng.choice(["BFS", "PROB"]))
+    apart, native, ref = NgramCache(**params), NativeNgramCache(**params), NgramCache(**params)
+    seq, fed, keys = [rng.randrange(6) for _ in range(5)], 0, None
+    for _ in range(120):
+        seq.extend(rng.randrange(6) for _ in range(rng.choice([0, 0, 1, 3])))
+        num_new, cap = len(seq) - fed, rng.choice([1, 4, 8])
+        context = seq[max(len(seq) - num_new - apart.max_depth, 0):]
+        if num_new:
+            apart.insert_incremental(context, num_new)
+        expected = apart.match(seq[-apart.max_match_window_size:], num_draft_tokens=cap)
+        got_native, _ = native.feed_and_match(context, num_new, cap)
+        got_ref, keys = ref.feed_and_match(context, num_new, cap, keys)
+        fed = len(seq)
+        assert _same_tree(expected, got_native) and _same_tree(expected, got_ref)
+    assert native.num_nodes == ref.num_nodes == apart.num_nodes
+
+
+@pytest.mark.parametrize("kind", ["BFS", "PROB"])
+def test_a_smaller_cap_gives_a_prefix_of_the_same_tree(kind):
+    """The worker matches at the full cap, then cuts each tree to the size the policy prefers
+    (``truncate_tree``): that must be the tree a match at the smaller cap gives."""
+    from specserve.speculative.tree import truncate_tree
+    rng = random.Random(7)
+    for cache_type in (NgramCache, NativeNgramCache):
+        cache = cache_type(min_match_window_size=1, max_match_window_size=3, branch_length=4, max_bfs_breadth=4)
+        for _ in range(40):
+            cache.insert([rng.randrange(5) for _ in range(rng.randrange(2, 12))])
+        for _ in range(60):
+            tail = [rng.randrange(5) for _ in range(3)]
+            full = cache.match(tail, num_draft_tokens=16, match_type=kind)
+            for cap in range(1, 16):
+                assert _same_tree(truncate_tree(full, cap), cache.match(tail, num_draft_tokens=cap, match_type=kind))

@@ -413,3 +413,29 @@ def test_may_probe_bounds_a_probe_that_only_a_two_node_tree_pays_for():
     assert not policy.may_pick_any([state], [12], [11])
     assert policy.may_probe([state], [12], [11])
     assert policy.select([state], [12], [11]) == [PROBE_NODES]
+
+
+def test_a_step_with_nothing_to_draft_updates_the_policy_as_weighing_would():
+    """``select`` on root-only trees skips the weighing (most NGRAM steps of a chat answer): its
+    sizes and every update it makes (skipped steps, predictions, the picked share, the probe
+    credit) are what the full weighing gives, in either mode and whatever ``can_pick`` says."""
+    import copy
+    import random
+
+    rng = random.Random(3)
+    for trial in range(300):
+        bs = rng.choice([1, 2, 4, 16])
+        policy = SpecPolicy(rng.choice([FLAT_THEN_LINEAR, LINEAR]), lambda k, n: 0.5, num_draft_tokens=12,
+                            is_always=rng.random() < 0.2)
+        policy.probe_credit = rng.choice([0.0, 0.5, float("inf")])
+        policy.picked_share = rng.random()
+        states, _ = _random_requests(rng, bs, fresh_share=0.3)
+        fast_policy, fast_states = copy.deepcopy(policy), copy.deepcopy(states)
+        can_pick = rng.random() < 0.5
+        assert fast_policy.select(fast_states, [1] * bs, [0] * bs, can_pick) == [1] * bs
+        assert policy._weigh(states, [1] * bs, [0] * bs, can_pick) == [1] * bs
+        assert vars(fast_policy).keys() == vars(policy).keys()
+        for name, value in vars(policy).items():
+            if name != "cost":
+                assert getattr(fast_policy, name) == value, (trial, name)
+        assert fast_states == states, trial
