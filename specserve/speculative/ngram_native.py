@@ -80,8 +80,7 @@ class NativeNgramCache(NgramCache):
 
     def feed_and_match(self, context: Sequence[int], num_new: int, num_draft_tokens: int | None = None,
                        suffix_keys: list[int] | None = None) -> tuple[DraftTree, None]:
-        """``NgramCache.feed_and_match`` in one native call (a step that matches nothing costs
-        one ctypes call and two small arrays)."""
+        """``NgramCache.feed_and_match`` in one native call on reused buffers."""
         total = len(context)
         _check_num_new(num_new, total)
         max_nodes, kind = self._match_args(context, num_draft_tokens, None)
@@ -91,6 +90,8 @@ class NativeNgramCache(NgramCache):
         self._ids[:len(ids)] = ids
         n = self._lib.ngram_feed_match(self._handle, self._ids_address, len(ids), num_new, max_nodes,
                                        int(kind == "PROB"), self._tokens_address, self._parents_address)
+        if n == 1:                      # no match: the root is the context's last token
+            return root_only(context[-1]), None
         return _tree(self._out_tokens, self._out_parents, n), None
 
     def _grow_buffers(self, num_ids: int, max_nodes: int) -> None:
