@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import attention as attention_kernel
+from specserve.kernels import huge_pages
 from specserve.models.row_invariant_attention import KEY_BLOCK, row_invariant_attention
 
 ROW_INVARIANT_MAX_QUERY = 64
@@ -67,8 +68,11 @@ class KVCache:
         # Left uninitialized (no memory is touched until used): a slot is only ever
         # read after it was written, except the zeroed tail slots used for padding.
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":       # a request's slots lie in few pages: few TLB misses
+            self.k, self.v = huge_pages.empty(shape, dtype), huge_pages.empty(shape, dtype)
+        else:
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
         self.k[:, num_slots - num_zeroed_tail:].zero_()
         self.v[:, num_slots - num_zeroed_tail:].zero_()
         self.num_slots = num_slots

@@ -30,6 +30,22 @@ def test_gather_leaves_less_than_a_huge_page_alone():
     assert huge_pages.gather([torch.zeros(1000)]) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_empty_gives_a_writable_tensor_on_a_huge_page_boundary(dtype):
+    """The KV cache's storage: the asked shape and dtype, starting on a 2 MiB boundary where
+    the kernel takes the advice, an ordinary tensor under one huge page."""
+    shape = (3, 5000, 3, 64)
+    big = huge_pages.empty(shape, dtype)
+    assert big.shape == shape and big.dtype == dtype and big.is_contiguous()
+    big[:, -1].zero_()
+    big[1, 7] = 2.0
+    assert big[1, 7].eq(2.0).all() and big[2, -1].eq(0.0).all()
+    advised = big.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert advised or huge_pages.gather([torch.zeros(huge_pages.HUGE_PAGE)]) is None   # aligned where THP is on
+    small = huge_pages.empty((10, 64), dtype)
+    assert small.shape == (10, 64) and small.dtype == dtype
+
+
 def _q8_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(*[Linear(1024, 1024, bias=False) for _ in range(4)])
