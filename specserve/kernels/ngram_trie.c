@@ -44,9 +44,9 @@ typedef struct {
 
 /* `bytes` of zeroed memory (a multiple of NG_HUGE_PAGE from 2 MiB on, aligned to it) advised for
    transparent huge pages. The trie is read at random: a million nodes span ~70 MB, so in 4 KiB
-   pages nearly every access is a TLB miss and, in a VM, a two-level page walk. In a decode step
-   the weights' stream has evicted all of it: feeding one token then cost ~150 us, matching ~45
-   (one core of a Zen3 VM, 1.1M nodes). */
+   pages nearly every access is a TLB miss and, in a VM, a two-level page walk. With 1.1M nodes,
+   after 64 MB went through the caches (as a decode step's weights do), feeding one token took
+   23-24 us in 4 KiB pages and 11-15 us in huge ones (one core of a Zen3 VM). */
 static void *ng_map(size_t bytes) {
     const size_t slop = bytes >= (size_t)NG_HUGE_PAGE ? (size_t)NG_HUGE_PAGE : 0;
     char *p = (char *)mmap(NULL, bytes + slop, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -286,10 +286,10 @@ class SpecPolicy:
         return sizes
 
     def _nothing_to_draft(self, states: list[RequestPolicyState]) -> list[int]:
-        """``_weigh``'s result and updates where every tree is root-only, without weighing: nobody is picked
-        (the share of picked requests decays), no request is due a probe (a probe needs a tree
-        with a draft), the probe credit accrues a plain step's share, and every request counts
-        one more skipped step and predicts no extra tokens."""
+        """``_weigh``'s result and updates where every tree is root-only, without weighing:
+        nobody is picked (the share of picked requests decays), no request is due a probe (a
+        probe needs a tree with a draft), the probe credit accrues a plain step's share, and
+        every request counts one more skipped step and predicts no extra tokens."""
         bs = len(states)
         if not self.is_always:
             self.picked_share -= PICKED_EMA_WEIGHT * self.picked_share
