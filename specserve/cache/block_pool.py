@@ -92,9 +92,15 @@ class BlockPool:
             refcounts[page] += 1
 
     def decref(self, pages: Iterable[int]) -> None:
-        """Drop one reference from each page; a page reaching 0 becomes free."""
+        """Drop one reference from each page; a page reaching 0 becomes free. Pages freed together
+        are handed out again in the order given (allocation takes from the list's end): a
+        speculative step gives back the slots its draft did not keep, and the request's next
+        slots then follow the kept one in memory, as in plain decoding. Given back in ascending
+        order they came back descending, and each step's K/V row lay ~10 slots from the last
+        one's: attention took ~9% longer for a request whose drafts were declined (NGRAM on
+        chat, 2-core Zen3)."""
         refcounts = self._refcounts
-        free_pages = self._free_pages
+        freed = []
         for page in pages:
             self._check_page(page)
             count = refcounts[page]
@@ -102,7 +108,9 @@ class BlockPool:
                 raise ValueError(f"decref of free page {page}")
             refcounts[page] = count - 1
             if count == 1:
-                free_pages.append(page)
+                freed.append(page)
+        freed.reverse()
+        self._free_pages.extend(freed)
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self._num_pages:

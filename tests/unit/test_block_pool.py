@@ -159,3 +159,24 @@ def test_freed_pages_are_reused():
     second = pool.extend_slots([], 4)
     assert sorted(pool.pages_of(second)) == [0, 1]
     assert pool.num_free_pages == 0
+
+
+def test_a_request_that_keeps_one_slot_of_each_reservation_stays_contiguous():
+    """A speculative step reserves N slots and keeps one when the draft is declined; the slots
+    given back come out again in the order given, so the request's slots run on in memory as in
+    plain decoding (scattered rows made its attention ~9% slower)."""
+    pool = BlockPool(num_pages=64)
+    kept = []
+    for _ in range(20):
+        reserved = pool.alloc_pages(12)
+        kept.append(reserved[0])
+        pool.decref(reserved[1:])
+    assert kept == list(range(kept[0], kept[0] + 20))
+    assert pool.num_free_pages == 64 - 20
+
+
+def test_pages_freed_together_come_back_in_the_order_given():
+    pool = BlockPool(num_pages=8)
+    pages = pool.alloc_pages(5)
+    pool.decref([pages[3], pages[1], pages[4]])
+    assert pool.alloc_pages(3) == [pages[3], pages[1], pages[4]]
