@@ -46,9 +46,6 @@
 #define IQ_ROWS 16            /* weight rows per panel */
 #define IQ_K 32               /* weights per block */
 #define IQ_CHUNK_ROWS 64      /* input rows per work item (many-row inputs, e.g. prefill) */
-#ifndef IQ_PREFETCH_BYTES
-#define IQ_PREFETCH_BYTES 16384  /* AVX-512: weights prefetched this far ahead into L2 (panels lie back to back) */
-#endif
 enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5, IQ_F8H = 6, IQ_Q5_0 = 7, IQ_Q5_1 = 8,
        IQ_Q6 = 9, IQ_K4 = 10, IQ_NUM_FORMATS = 10 };
 
@@ -56,6 +53,8 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5,
 #define IQ_LEVEL 2            /* avx512_vnni */
 #define IQ_TILE 16            /* input rows per register tile (16 accumulators + 8 weight vectors) */
 #define IQ_GROUP 8             /* rows whose integer sums run interleaved (two chains each) */
+#define IQ_PREFETCH_BYTES 16384  /* weights prefetched this far ahead (panels lie back to back), */
+#define IQ_PREFETCH_HINT _MM_HINT_T1   /* into L2 */
 #else
 #define IQ_LEVEL 1            /* avx2 */
 #define IQ_TILE 4
@@ -64,7 +63,8 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5,
    (the KV cache's rows, the host's Python state). On a 2-core Zen3 VM, interleaved: decode steps
    1.3-3.8% faster at 200-1,000 tokens of context, forwards of 1-4 rows 2-6% faster, 8-256 rows
    within +-3%. */
-#define IQ_AVX2_PREFETCH_BYTES 4096
+#define IQ_PREFETCH_BYTES 4096
+#define IQ_PREFETCH_HINT _MM_HINT_NTA
 #endif
 
 static inline int iq_is_f32(int fmt) { return (fmt >= IQ_F4 && fmt <= IQ_F8H) || fmt == IQ_Q6; }   /* float32 scales */
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
     const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
-        for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, _MM_HINT_T1);
+        for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
         __m512 dw, mw;
         if (fmt == IQ_K4) {
             const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
@@ -324,7 +324,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
         if (h == 0)
-            for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_AVX2_PREFETCH_BYTES + off, _MM_HINT_NTA);
+            for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
         __m256 dw, mw;                                  /* as in the AVX-512 tile */
         if (fmt == IQ_K4) {
             const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;

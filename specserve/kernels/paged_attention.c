@@ -665,8 +665,8 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
        two whole splits' tasks a thread: each K/V row is then read once, for every row of the
        verify, where a task per segment reads all of them once a segment: after 512 or 1,024
        tokens, attention in 0.80-0.89x the time at W=8 and 0.86-0.92x at W=4 on a 2-thread
-       Zen3, interleaved runs); otherwise a task per segment, sized to share the rows out (a verify on a
-       short context: 3 KV heads of one split do not split evenly over 2 threads) */
+       Zen3, interleaved runs); otherwise a task per segment, sized to share the rows out (a
+       verify on a short context: 3 KV heads of one split do not split evenly over 2 threads) */
     const int segments_of_block = count_segments(row_batch, T, ROW_BLOCK, NULL);
     const int per_thread = (T + nthreads - 1) / nthreads, whole_splits = L / KEY_SPLIT;
     const int by_split = T < 2 * nthreads || (segments_of_block < nthreads &&

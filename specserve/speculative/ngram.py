@@ -26,7 +26,7 @@ COST_EMA_WEIGHT = 0.1
 
 class NgramProposer(Proposer):
     is_cheap = True
-    catches_up_lazily = True          # _feed reads the tokens it has not seen from the request
+    catches_up_lazily = True          # _unfed reads the tokens it has not seen from the request
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
@@ -38,9 +38,8 @@ class NgramProposer(Proposer):
         trees, most_fed = [], 0
         for item, cap in zip(items, max_nodes):
             req, state = item.req, _state(item.req)
-            num_new = max(req.seq_len - state.num_fed, 0)
+            num_new, context = self._unfed(req, state)
             most_fed = max(most_fed, num_new)
-            context = tail_ids(req, num_new + self.cache.max_depth)
             tree, state.suffix_keys = self.cache.feed_and_match(context, num_new, cap, state.suffix_keys)
             state.num_fed = max(state.num_fed, req.seq_len)
             trees.append(tree)
@@ -66,12 +65,16 @@ class NgramProposer(Proposer):
     def _feed(self, req: Request) -> None:
         """Feed the tokens of ``req`` not fed yet (the whole prompt the first time)."""
         state = _state(req)
-        num_new = req.seq_len - state.num_fed
-        if num_new <= 0:
-            return
-        context = tail_ids(req, num_new + self.cache.max_depth)
-        state.suffix_keys = self.cache.insert_incremental(context, num_new, state.suffix_keys)
-        state.num_fed = req.seq_len
+        num_new, context = self._unfed(req, state)
+        if num_new:
+            state.suffix_keys = self.cache.insert_incremental(context, num_new, state.suffix_keys)
+            state.num_fed = req.seq_len
+
+    def _unfed(self, req: Request, state: "_NgramState") -> tuple[int, list[int]]:
+        """How many of ``req``'s tokens the cache has not been fed (0 if none), and the tail
+        a feed of them reads (those tokens and the max_depth - 1 or more before them)."""
+        num_new = max(req.seq_len - state.num_fed, 0)
+        return num_new, tail_ids(req, num_new + self.cache.max_depth)
 
 
 class _NgramState:
