@@ -310,6 +310,21 @@ static inline __m256 iq_k4_scales8(const uint8_t *f16, const uint8_t *bytes, int
                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * h)))));
 }
 
+/* block b's scales dw and mins (F8H: second-half scales) mw of half h, as in the AVX-512 tile */
+static inline __attribute__((always_inline)) void iq_block_scales8(const uint8_t *panel, int fmt, int nb, int b, int h,
+                                                                   __m256 *dw, __m256 *mw) {
+    const uint8_t *p = panel + (long)b * iq_record_bytes(fmt);
+    const int f32 = iq_is_f32(fmt);
+    if (fmt == IQ_K4) {
+        const uint8_t *super = panel + (long)nb * iq_record_bytes(fmt) + (long)(b / 8) * 64;
+        *dw = iq_k4_scales8(super, p, h);
+        *mw = _mm256_xor_ps(iq_k4_scales8(super + 32, p + 16, h), _mm256_set1_ps(-0.0f));   /* -(dmin * m) */
+    } else {
+        *dw = iq_scales8(p, h, f32);
+        *mw = iq_has_min(fmt) || iq_has_halves(fmt) ? iq_scales8(p + (f32 ? 64 : 32), h, f32) : _mm256_setzero_ps();
+    }
+}
+
 /* R input rows x half h (weight rows 8h..8h+7) of one panel, AVX2: the same lanes' arithmetic
    as the AVX-512 tile. Two 16-bit partial sums per lane pair are exact: Q4 codes <= 15 and
    |q| <= 127 keep 8 maddubs results of a block below 2^15 (5-bit codes: 4, so they are widened
@@ -317,7 +332,7 @@ static inline __m256 iq_k4_scales8(const uint8_t *f16, const uint8_t *bytes, int
    at once, the block's halves summed apart. */
 static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, int h, float out[][IQ_ROWS]) {
-    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = iq_has_halves(fmt);
+    const int rec = iq_record_bytes(fmt), nb = a->nb, halves = iq_has_halves(fmt);
     __m256 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -325,15 +340,8 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
         if (h == 0)
             for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
-        __m256 dw, mw;                                  /* as in the AVX-512 tile */
-        if (fmt == IQ_K4) {
-            const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
-            dw = iq_k4_scales8(super, p, h);
-            mw = _mm256_xor_ps(iq_k4_scales8(super + 32, p + 16, h), _mm256_set1_ps(-0.0f));   /* -(dmin * m) */
-        } else {
-            dw = iq_scales8(p, h, f32);
-            mw = iq_has_min(fmt) || halves ? iq_scales8(p + (f32 ? 64 : 32), h, f32) : _mm256_setzero_ps();
-        }
+        __m256 dw, mw;
+        iq_block_scales8(panel, fmt, nb, b, h, &dw, &mw);
         __m256i w[8];
         if (iq_is_signed(fmt)) {
             for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
@@ -391,9 +399,90 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, acc[r]);
 }
+/* The empty asm statements below pin each row's sums in registers in program order: without
+   them GCC hoisted the unrolled products and spilled (~100 stack accesses a block). */
+
+/* t[r][h]: the 16-bit sums of rows m0.. x block b's 4-bit codes of half h (8 products of
+   <= 15 * 127 fit); group j holds chunks j (low nibbles) and j + 4 (high) */
+static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *codes, const iq_input *a, long m0,
+                                                                 int R, int b, __m256i t[][2]) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            const __m256i qa = _mm256_set1_epi32(iq_load4(q + 4 * j)), qb = _mm256_set1_epi32(iq_load4(q + 16 + 4 * j));
+            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, qa), _mm256_maddubs_epi16(hi0, qb));
+            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, qa), _mm256_maddubs_epi16(hi1, qb));
+            t[r][0] = j == 0 ? p0 : _mm256_add_epi16(t[r][0], p0);
+            t[r][1] = j == 0 ? p1 : _mm256_add_epi16(t[r][1], p1);
+            __asm__ volatile("" : "+x"(t[r][0]), "+x"(t[r][1]));
+        }
+    }
+}
+
+/* t[r][h]: the 32-bit sums of rows m0.. x block b's int8 codes of half h, as iq_half's */
+static inline __attribute__((always_inline)) void iq_int8_sums(const uint8_t *codes, const iq_input *a, long m0,
+                                                               int R, int b, __m256i t[][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j + 32));
+        const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(qv, w0)), ones);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(qv, w1)), ones);
+            t[r][0] = j == 0 ? p0 : _mm256_add_epi32(t[r][0], p0);
+            t[r][1] = j == 0 ? p1 : _mm256_add_epi32(t[r][1], p1);
+            __asm__ volatile("" : "+x"(t[r][0]), "+x"(t[r][1]));
+        }
+    }
+}
+
+/* R input rows x one panel, both halves in one pass, for formats with one scale per block
+   (Q4_0, Q4_1, F4, K4, Q8_0, F8): each input broadcast feeds both halves. 4 rows of Q4_1 run
+   24 -> 34 multiply-adds a cycle, Q8_0 19 -> 21.5, against iq_half (Zen3, 1 thread, panels in
+   L1), near the bound of the two ports that multiply (~38 and ~27). The same exact int32 sums
+   and float operations as iq_half, so the same bits. */
+static inline __attribute__((always_inline)) void iq_whole(const uint8_t *panel, int fmt, const iq_input *a,
+                                                           long m0, int R, float out[][IQ_ROWS]) {
+    const int rec = iq_record_bytes(fmt), nb = a->nb;
+    __m256 acc[16][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
+        for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
+        __m256i t[16][2];
+        if (iq_is_nibble(fmt)) iq_nibble_sums(codes, a, m0, R, b, t);
+        else iq_int8_sums(codes, a, m0, R, b, t);
+        __m256 dw[2], mw[2];
+        for (int h = 0; h < 2; h++) iq_block_scales8(panel, fmt, nb, b, h, &dw[h], &mw[h]);
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            const long i = (m0 + r) * nb + b;
+            const __m256 dx = _mm256_set1_ps(a->d[i]);
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                __m256i s = iq_is_nibble(fmt) ? _mm256_madd_epi16(t[r][h], _mm256_set1_epi16(1)) : t[r][h];
+                if (!iq_starts_at_zero(fmt)) s = _mm256_add_epi32(_mm256_set1_epi32(a->start[i]), s);
+                __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(dw[h], dx), _mm256_cvtepi32_ps(s), acc[r][h]);
+                if (iq_has_min(fmt)) v = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a->ds[i]), v);
+                acc[r][h] = v;
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r], acc[r][0]), _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+}
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, float out[][IQ_ROWS]) {
-    iq_half(panel, fmt, a, m0, R, 0, out);
+    if (!iq_bit_planes(fmt) && !iq_has_halves(fmt)) {
+        iq_whole(panel, fmt, a, m0, R, out);
+        return;
+    }
+    iq_half(panel, fmt, a, m0, R, 0, out);     /* Q5_0, Q5_1, Q6, F8H */
     iq_half(panel, fmt, a, m0, R, 1, out);
 }
 #endif
