@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.backends.jax import missing_reason
+from specserve.backends.jax import is_available, missing_reason
 
-try:
-    import jax  # noqa: F401
-    JAX_MISSING = None
-except ImportError as exc:
-    JAX_MISSING = f"{missing_reason()} ({exc})"
+# not `import jax`: with jax absent, that import finds this folder (tests/jax) as a namespace
+# package once pytest has put tests/ on sys.path
+JAX_MISSING = None if is_available() else missing_reason()
 
 RUNS_WITHOUT_JAX = ("test_layering.py",)
 
