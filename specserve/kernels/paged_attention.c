@@ -331,45 +331,68 @@ static void weigh_chunk(const float *const *wrow, float *const *orow, int pairs,
                 resume);
 }
 
+/* The largest of row[0 .. padded) (padded: a multiple of 8), two chains of 8 lanes (max is exact
+   in any order) */
+static float row_max(const float *row, int padded) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    int l = 0;
+    for (; l + 16 <= padded; l += 16) {
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(row + l));
+        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(row + l + 8));
+    }
+    if (l < padded) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(row + l));
+    float lanes[8], max = -INFINITY;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    for (int i = 0; i < 8; i++) max = lanes[i] > max ? lanes[i] : max;
+    return max;
+}
+
+/* The `group` rows of scores (row g at g * padded, num_keys of them, padded to a multiple of 8)
+   -> softmax weights exp(score - max) in place, max[g] and sum[g] (lane i of 8 sums keys i,
+   i + 8, ... in order, then hsum8). The heads go side by side, key block by key block: each
+   head's sum is one chain of adds, and `group` of them in flight hide their latency (one head
+   at a time waited on its chain); each lane's operations are the same, so the same bits. */
+static void softmax_rows(float *scores, int padded, int num_keys, int group, float *max_out, float *sum_out) {
+    __m256 sum[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        float *row = scores + g * padded;
+        for (int l = num_keys; l < padded; l++) row[l] = -INFINITY;
+        max_out[g] = row_max(row, padded);
+        sum[g] = _mm256_setzero_ps();
+    }
+    int l = 0;
+#ifdef __AVX512F__
+    for (; l + 16 <= padded; l += 16)
+        for (int g = 0; g < group; g++) {
+            float *row = scores + g * padded;
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), _mm512_set1_ps(max_out[g])));
+            _mm512_storeu_ps(row + l, e);
+            sum[g] = _mm256_add_ps(sum[g], _mm512_castps512_ps256(e));
+            sum[g] = _mm256_add_ps(sum[g], _mm512_extractf32x8_ps(e, 1));
+        }
+#endif
+    for (; l < padded; l += 8)
+        for (int g = 0; g < group; g++) {
+            float *row = scores + g * padded;
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(max_out[g])));
+            _mm256_storeu_ps(row + l, e);
+            sum[g] = _mm256_add_ps(sum[g], e);
+        }
+    for (int g = 0; g < group; g++) sum_out[g] = hsum8(sum[g]);
+}
+
 /* One query row against one KV head, scores: the `group` query heads q[g * hd16 ...] (float32,
    already scaled, zero padded to hd16) against the keys at `slots` (num_keys of them), the
-   scores of keys [0, scored) already in `scores` (scored: a multiple of ATT_LANES); then the
-   softmax weights exp(score - max) in place, max[g] and sum[g] (their sum, in 8 lanes then
-   hsum8). scores: >= round8(num_keys) * group floats of scratch, row g at g * round8(num_keys). */
+   scores of keys [0, scored) already in `scores` (scored: a multiple of ATT_LANES); then their
+   softmax (softmax_rows). scores: >= round8(num_keys) * group floats of scratch, row g at
+   g * round8(num_keys). */
 static void score_row(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
                       int scored, int group, int head_dim, int hd16, int is_bf16, float *scores, float *max_out,
                       float *sum_out) {
     const int padded = (num_keys + 7) / 8 * 8;
     score_keys(q, k_base, slot_stride, slots + scored, num_keys - scored, group, head_dim, hd16, is_bf16, padded,
                scores + scored);
-    for (int g = 0; g < group; g++) {
-        float *row = scores + g * padded;
-        for (int l = num_keys; l < padded; l++) row[l] = -INFINITY;
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        for (int l = 0; l < padded; l += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + l));
-        float lanes[8], max = -INFINITY;
-        _mm256_storeu_ps(lanes, vmax);
-        for (int i = 0; i < 8; i++) max = lanes[i] > max ? lanes[i] : max;
-        const __m256 m = _mm256_set1_ps(max);
-        __m256 sum = _mm256_setzero_ps();      /* lane i: keys i, i + 8, ... in order (padding adds 0) */
-        int l = 0;
-#ifdef __AVX512F__
-        const __m512 m16 = _mm512_set1_ps(max);
-        for (; l + 16 <= padded; l += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), m16));
-            _mm512_storeu_ps(row + l, e);
-            sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
-            sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e, 1));
-        }
-#endif
-        for (; l < padded; l += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), m));
-            _mm256_storeu_ps(row + l, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        max_out[g] = max;
-        sum_out[g] = hsum8(sum);
-    }
+    softmax_rows(scores, padded, num_keys, group, max_out, sum_out);
 }
 
 /* slots[0 .. n) = the slots of the allowed keys, in order; returns n. Masks are mostly runs
