@@ -299,18 +299,13 @@ static void weigh_pairs(const float *const *wrow, float *const *orow, int pairs,
         weigh_pairs_dims(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, is_bf16, resume);
 }
 
-/* key indices 0 .. KEY_CHUNK - 1: the slots of value rows widened into a chunk buffer */
-static const int64_t CHUNK_SLOTS[KEY_CHUNK] = {
-    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
-    31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58,
-    59, 60, 61, 62, 63};
-
 /* weigh_pairs over keys [l_begin, l_end) (at most KEY_CHUNK) for many pairs: bfloat16 value rows
    widened once into a buffer on the stack (hd16 floats a key, exact) and weighed from there,
    instead of widened again in every pass of HEADS_PER_PASS pairs (at 8 rows x 3 heads: 6
    passes on AVX-512, 12 on AVX2, where widening took a third to a half of the instructions).
    The same FMA chains, so the same bits. (A buffer malloc'ed with the rows' scratch made the
-   whole attention slower, not faster: 3.4 against 2.8 ms at 8 rows, AVX-512 Xeon.) */
+   whole attention slower, not faster: 3.4 against 2.8 ms at 8 rows, AVX-512 Xeon.) The buffer
+   is KEY_CHUNK * hd16 floats: 16 KiB for heads of 64, 128 KiB at MAX_HEAD_DIM. */
 static void weigh_chunk(const float *const *wrow, float *const *orow, int pairs, const char *v_base,
                         long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int hd16,
                         int is_bf16, int resume) {
@@ -320,15 +315,19 @@ static void weigh_chunk(const float *const *wrow, float *const *orow, int pairs,
     }
     const int n = l_end - l_begin;
     float widened[KEY_CHUNK * hd16];
+    int64_t rows_of_widened[KEY_CHUNK];     /* key l_begin + i is row i of `widened` */
     for (int i = 0; i < n; i++) {
-        if (i + PREFETCH_KEYS < n) prefetch_row(v_base + slots[l_begin + i + PREFETCH_KEYS] * slot_stride, head_dim * 2);
+        if (i + PREFETCH_KEYS < n)
+            prefetch_row(v_base + slots[l_begin + i + PREFETCH_KEYS] * slot_stride, head_dim * 2);
         const char *row = v_base + slots[l_begin + i] * slot_stride;
-        for (int d = 0; d < hd16; d += ATT_LANES) v_store_part(widened + (long)i * hd16 + d, v_load_row(row, d, head_dim, 1), ATT_LANES);
+        for (int d = 0; d < hd16; d += ATT_LANES)
+            v_store_part(widened + (long)i * hd16 + d, v_load_row(row, d, head_dim, 1), ATT_LANES);
+        rows_of_widened[i] = i;
     }
     const float *w[ROW_BLOCK * MAX_GROUP];
-    for (int p = 0; p < pairs; p++) w[p] = wrow[p] + l_begin;     /* key l_begin + i is row i of `widened` */
-    weigh_pairs(w, orow, pairs, (const char *)widened, (long)hd16 * sizeof(float), CHUNK_SLOTS, 0, n, head_dim, 0,
-                resume);
+    for (int p = 0; p < pairs; p++) w[p] = wrow[p] + l_begin;
+    weigh_pairs(w, orow, pairs, (const char *)widened, (long)hd16 * sizeof(float), rows_of_widened, 0, n, head_dim,
+                0, resume);
 }
 
 /* The largest of row[0 .. padded) (padded: a multiple of 8), two chains of 8 lanes (max is exact
