@@ -167,8 +167,12 @@ static void tile_rows(const char *const *rows, const char **out, float *widened,
             continue;
         }
         float *dst = widened + (long)i * hd16;
+#if ATT_LANES == 16     /* stores as wide as score_tile's loads, which a narrower store cannot forward to */
+        for (int d = 0; d < hd16; d += 16) _mm512_storeu_ps(dst + d, v_load_row(rows[i], d, head_dim, 1));
+#else
         for (int d = 0; d < hd16; d += 8)
             _mm256_storeu_ps(dst + d, d < head_dim ? load_bf16((const uint16_t *)rows[i] + d) : _mm256_setzero_ps());
+#endif
         out[i] = (const char *)dst;
     }
 }
