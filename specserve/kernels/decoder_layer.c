@@ -76,12 +76,14 @@ static void rotary(void *qkv, long ld, int first, int count, const void *cos, co
     for (int t = 0; t < T; t++) {
         for (int head = first; head < first + count; head++) {
             const long base = (long)t * ld + (long)head * hd;
-            for (int d = 0; d < hd; d++) buf[d] = get_elem(qkv, base + d, is_bf16);
             if (hd % 16 == 0) {
+                for (int d = 0; d < hd; d += 8)
+                    _mm256_storeu_ps(buf + d, load8((const char *)qkv + (base + d) * esize, is_bf16));
                 rotary_head8(qkv, base, buf, (const char *)cos + (long)t * hd * esize,
                              (const char *)sin + (long)t * hd * esize, hd, is_bf16);
                 continue;
             }
+            for (int d = 0; d < hd; d++) buf[d] = get_elem(qkv, base + d, is_bf16);
             for (int d = 0; d < hd; d++) {
                 const float rotated = d < half ? -buf[d + half] : buf[d - half];
                 const float a = round_to(buf[d] * get_elem(cos, (long)t * hd + d, is_bf16), is_bf16);
@@ -104,7 +106,12 @@ static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *
             memcpy(v, row + v_off * esize, (size_t)kv_width * esize);
             continue;
         }
-        for (int i = 0; i < kv_width; i++) {    /* the cache's dtype differs: round as torch's .to() */
+        int i = 0;      /* the cache's dtype differs: round as torch's .to() (store8 rounds as set_elem) */
+        for (; i + 8 <= kv_width; i += 8) {
+            store8(k + i * kv_esize, load8(row + (k_off + i) * esize, is_bf16), kv_bf16);
+            store8(v + i * kv_esize, load8(row + (v_off + i) * esize, is_bf16), kv_bf16);
+        }
+        for (; i < kv_width; i++) {
             set_elem(k, i, get_elem(row, k_off + i, is_bf16), kv_bf16);
             set_elem(v, i, get_elem(row, v_off + i, is_bf16), kv_bf16);
         }

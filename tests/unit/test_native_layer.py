@@ -90,6 +90,20 @@ def test_native_layer_matches_the_torch_layer(dtype):
     torch.testing.assert_close(native_cache.v.float(), reference_cache.v.float(), atol=tol, rtol=tol)
 
 
+def test_new_keys_and_values_go_to_a_bfloat16_cache_rounded_as_torch_rounds():
+    """A float32 layer over a bfloat16 cache (``--kv-cache-dtype bf16``) writes each new K/V
+    value as ``.to(torch.bfloat16)`` rounds the one it writes to a float32 cache."""
+    layer = _layer(torch.float32)
+    h = torch.randn(5, CFG.hidden_size)
+    args = ([30, 12], [3, 2], [list(range(100, 133)), list(range(200, 214))], [130, 131, 132, 212, 213])
+    _, float_cache = _run(layer, h, *args)
+    _, bf16_cache = _run(layer, h, *args, cache=_cache(torch.bfloat16))
+    new = torch.tensor(args[3])
+    assert bf16_cache.k.dtype == torch.bfloat16
+    assert torch.equal(bf16_cache.k[0, new], float_cache.k[0, new].bfloat16())
+    assert torch.equal(bf16_cache.v[0, new], float_cache.v[0, new].bfloat16())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
     """Node 2 of the tree root -> {1, 2} (parents 0, 0) sees the prefix and the root, as the
