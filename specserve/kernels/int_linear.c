@@ -99,8 +99,20 @@ typedef struct {
     int8_t *q;
     float *d, *ds;
     int32_t *start, *start_lo;
-    int K, nb;
+    int K, nb, group;       /* group: rows a group of the layout (iq_block_index) */
 } iq_input;
+
+/* Rows lie in groups of IQ_GROUP_ROWS (a multiple of every IQ_TILE; all the rows when there are
+   fewer), block-major within a group: the group's rows of one block side by side, so a tile
+   (IQ_TILE rows from a multiple of IQ_TILE) reads each block's codes and scales at one base
+   address plus constant offsets, instead of one address computation per row (its 8-16 row
+   pointers did not fit the registers: ~20% fewer instructions at 8 and 16 rows) */
+#define IQ_GROUP_ROWS 16
+
+/* where row m's block b lies in a's arrays: its scales at this index, its codes at IQ_K times it */
+static inline long iq_block_index(const iq_input *a, long m, int b) {
+    return ((m / a->group) * a->nb + b) * a->group + m % a->group;
+}
 
 static inline int32_t iq_load4(const int8_t *p) {
     int32_t v;
@@ -169,28 +181,30 @@ static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, fl
 
 static int iq_input_alloc(iq_input *a, int M, int K) {
     const int nb = K / IQ_K;
-    a->K = K, a->nb = nb;
-    a->q = (int8_t *)malloc((size_t)M * K);
-    a->d = (float *)malloc((size_t)M * nb * 4);
-    a->ds = (float *)malloc((size_t)M * nb * 4);
-    a->start = (int32_t *)malloc((size_t)M * nb * 4);
-    a->start_lo = (int32_t *)malloc((size_t)M * nb * 4);
+    const long rows = (M + IQ_GROUP_ROWS - 1) / IQ_GROUP_ROWS * IQ_GROUP_ROWS;
+    a->K = K, a->nb = nb, a->group = M < IQ_GROUP_ROWS ? M : IQ_GROUP_ROWS;
+    a->q = (int8_t *)malloc((size_t)rows * K);
+    a->d = (float *)malloc((size_t)rows * nb * 4);
+    a->ds = (float *)malloc((size_t)rows * nb * 4);
+    a->start = (int32_t *)malloc((size_t)rows * nb * 4);
+    a->start_lo = (int32_t *)malloc((size_t)rows * nb * 4);
     return !a->q || !a->d || !a->ds || !a->start || !a->start_lo ? -1 : 0;
 }
 
-/* input row m quantized block by block into a */
-static void iq_quantize_row(iq_input *a, const void *x, long m, int is_bf16, int fmt) {
-    const int K = a->K, nb = a->nb, esize = is_bf16 ? 2 : 4;
-    for (int b = 0; b < nb; b++) {
-        const long i = m * nb + b;
+/* block b of input rows [0, M) quantized into a (threads sharing the work take whole blocks:
+   the rows of a block share the scales' cache lines) */
+static void iq_quantize_column(iq_input *a, const void *x, int b, long M, int is_bf16, int fmt) {
+    const int K = a->K, esize = is_bf16 ? 2 : 4;
+    for (long m = 0; m < M; m++) {
+        const long i = iq_block_index(a, m, b);
         iq_quantize_block((const char *)x + (m * K + (long)b * IQ_K) * esize, is_bf16, fmt,
-                          a->q + m * K + (long)b * IQ_K, a->d + i, a->ds + i, a->start + i, a->start_lo + i);
+                          a->q + i * IQ_K, a->d + i, a->ds + i, a->start + i, a->start_lo + i);
     }
 }
 
 static int iq_input_init(iq_input *a, const void *x, int M, int K, int is_bf16, int fmt) {
     if (iq_input_alloc(a, M, K)) return -1;
-    for (long m = 0; m < M; m++) iq_quantize_row(a, x, m, is_bf16, fmt);
+    for (int b = 0; b < a->nb; b++) iq_quantize_column(a, x, b, M, is_bf16, fmt);
     return 0;
 }
 
@@ -206,15 +220,40 @@ static inline __m512 iq_k4_scales16(const uint8_t *f16, const uint8_t *bytes) {
     return _mm512_mul_ps(iq_scales16(f16, 0), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes))));
 }
 
+/* code chunks j and j + 4 of a block (weights 4j..4j+3 and 16+4j..16+4j+3 of the 16 rows) as
+   vpdpbusd's unsigned operand: int8 codes xor 0x80, else the nibbles with their bit planes.
+   Decoded where a group of rows uses them, not all 8 ahead: the 8 chunks, 16 sums and the rows'
+   accumulators did not fit the 32 registers (8 rows of Q6: 58 -> 29 spill accesses a block). */
+static inline __attribute__((always_inline)) void iq_chunk_pair(const uint8_t *codes, int fmt, int j, __m512i *lo,
+                                                                __m512i *hi) {
+    if (iq_is_signed(fmt)) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        *lo = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * j), flip);
+        *hi = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * (j + 4)), flip);
+        return;
+    }
+    const __m512i nibble = _mm512_set1_epi8(15), v = _mm512_loadu_si512(codes + 64 * j);
+    *lo = _mm512_and_si512(v, nibble);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    for (int plane = 0; plane < iq_bit_planes(fmt); plane++) {
+        const __m512i value = _mm512_set1_epi8((char)(16 << plane));
+        uint64_t bits_lo, bits_hi;
+        memcpy(&bits_lo, codes + 256 + 64 * plane + 8 * j, 8);
+        memcpy(&bits_hi, codes + 256 + 64 * plane + 8 * (j + 4), 8);
+        *lo = _mm512_or_si512(*lo, _mm512_maskz_mov_epi8((__mmask64)bits_lo, value));
+        *hi = _mm512_or_si512(*hi, _mm512_maskz_mov_epi8((__mmask64)bits_hi, value));
+    }
+}
+
 /* R input rows (from m0) x one panel, AVX-512 VNNI: out[r][i] = row m0 + r, weight row i */
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, float out[][IQ_ROWS]) {
     const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = iq_has_halves(fmt);
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
+        const long i0 = iq_block_index(a, m0, b);      /* row m0 + r's block b: i0 + r */
         for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
         __m512 dw, mw;
         if (fmt == IQ_K4) {
@@ -227,24 +266,6 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
             mw = iq_has_min(fmt) || halves              /* the mins; F8H: the second half's scales */
                      ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
         }
-        __m512i w[8];
-        if (iq_is_signed(fmt)) {
-            for (int j = 0; j < 8; j++) w[j] = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * j), flip);
-        } else {
-            for (int j = 0; j < 4; j++) {
-                const __m512i v = _mm512_loadu_si512(codes + 64 * j);
-                w[j] = _mm512_and_si512(v, nibble);
-                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            }
-            for (int plane = 0; plane < iq_bit_planes(fmt); plane++) {
-                const __m512i value = _mm512_set1_epi8((char)(16 << plane));
-                for (int j = 0; j < 8; j++) {
-                    uint64_t bits;
-                    memcpy(&bits, codes + 256 + 64 * plane + 8 * j, 8);
-                    w[j] = _mm512_or_si512(w[j], _mm512_maskz_mov_epi8((__mmask64)bits, value));
-                }
-            }
-        }
         /* rows in groups of 8, two dpbusd chains each (the block's halves: chunks 0-3 are
            weights 0..15, chunks 4-7 weights 16..31), interleaved in program order: 16
            independent chains in flight hide vpdpbusd's latency, where one row's 8-long chain
@@ -254,7 +275,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
             const int G = R - r0 < IQ_GROUP ? R - r0 : IQ_GROUP;
             __m512i s[IQ_GROUP], t[IQ_GROUP];
             _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-                const long i = (m0 + r0 + g) * nb + b;
+                const long i = i0 + r0 + g;
                 if (iq_starts_at_zero(fmt)) {
                     s[g] = t[g] = _mm512_setzero_si512();
                 } else if (halves) {
@@ -265,14 +286,17 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
                     t[g] = _mm512_setzero_si512();
                 }
             }
-            _Pragma("GCC unroll 8") for (int j = 0; j < 4; j++)
+            _Pragma("GCC unroll 8") for (int j = 0; j < 4; j++) {
+                __m512i lo, hi;
+                iq_chunk_pair(codes, fmt, j, &lo, &hi);
                 _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-                    const int8_t *q = a->q + (m0 + r0 + g) * a->K + (long)b * IQ_K;
-                    s[g] = _mm512_dpbusd_epi32(s[g], w[j], _mm512_set1_epi32(iq_load4(q + 4 * j)));
-                    t[g] = _mm512_dpbusd_epi32(t[g], w[j + 4], _mm512_set1_epi32(iq_load4(q + 16 + 4 * j)));
+                    const int8_t *q = a->q + (i0 + r0 + g) * IQ_K;
+                    s[g] = _mm512_dpbusd_epi32(s[g], lo, _mm512_set1_epi32(iq_load4(q + 4 * j)));
+                    t[g] = _mm512_dpbusd_epi32(t[g], hi, _mm512_set1_epi32(iq_load4(q + 16 + 4 * j)));
                 }
+            }
             _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {
-                const long i = (m0 + r0 + g) * nb + b;
+                const long i = i0 + r0 + g;
                 const __m512 dx = _mm512_set1_ps(a->d[i]);
                 __m512 v = acc[r0 + g];
                 if (halves) {
@@ -338,6 +362,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
+        const long i0 = iq_block_index(a, m0, b);      /* row m0 + r's block b: i0 + r */
         if (h == 0)
             for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
         __m256 dw, mw;
@@ -357,8 +382,8 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                     w[j] = _mm256_or_si256(w[j], iq_plane_bits32(planes + 64 * plane + 8 * j, (char)(16 << plane)));
         }
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-            const long i = (m0 + r) * nb + b;
-            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            const long i = i0 + r;
+            const int8_t *q = a->q + i * IQ_K;
             const __m256 dx = _mm256_set1_ps(a->d[i]);
             /* the exact integer sums of the block's halves (weights 0..15, 16..31), from their
                start values as in the AVX-512 tile */
@@ -407,13 +432,14 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
 static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *codes, const iq_input *a, long m0,
                                                                  int R, int b, __m256i t[][2]) {
     const __m256i nibble = _mm256_set1_epi8(15);
+    const long i0 = iq_block_index(a, m0, b);
     _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
         const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j + 32));
         const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
         const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            const int8_t *q = a->q + (i0 + r) * IQ_K;
             const __m256i qa = _mm256_set1_epi32(iq_load4(q + 4 * j)), qb = _mm256_set1_epi32(iq_load4(q + 16 + 4 * j));
             const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, qa), _mm256_maddubs_epi16(hi0, qb));
             const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, qa), _mm256_maddubs_epi16(hi1, qb));
@@ -428,12 +454,13 @@ static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *
 static inline __attribute__((always_inline)) void iq_int8_sums(const uint8_t *codes, const iq_input *a, long m0,
                                                                int R, int b, __m256i t[][2]) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const long i0 = iq_block_index(a, m0, b);
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j + 32));
         const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-            const int8_t *q = a->q + (m0 + r) * a->K + (long)b * IQ_K;
+            const int8_t *q = a->q + (i0 + r) * IQ_K;
             const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
             const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(qv, w0)), ones);
             const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(qv, w1)), ones);
@@ -462,8 +489,9 @@ static inline __attribute__((always_inline)) void iq_whole(const uint8_t *panel,
         else iq_int8_sums(codes, a, m0, R, b, t);
         __m256 dw[2], mw[2];
         for (int h = 0; h < 2; h++) iq_block_scales8(panel, fmt, nb, b, h, &dw[h], &mw[h]);
+        const long i0 = iq_block_index(a, m0, b);      /* row m0 + r's block b: i0 + r */
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-            const long i = (m0 + r) * nb + b;
+            const long i = i0 + r;
             const __m256 dx = _mm256_set1_ps(a->d[i]);
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
                 __m256i s = iq_is_nibble(fmt) ? _mm256_madd_epi16(t[r][h], _mm256_set1_epi16(1)) : t[r][h];
@@ -536,14 +564,14 @@ static int int_linear(const uint8_t *panels, int fmt, const void *x, const float
     double t = profile_clock();
     const int quantize_inside = M >= 4 * nthreads;    /* fewer rows: not worth a barrier */
     if (!quantize_inside) {
-        for (long m = 0; m < M; m++) iq_quantize_row(&a, x, m, is_bf16, fmt);
+        for (int b = 0; b < a.nb; b++) iq_quantize_column(&a, x, b, M, is_bf16, fmt);
         t = profile_mark(PROF_QUANTIZE, t);
     }
     #pragma omp parallel num_threads(nthreads)
     {
         if (quantize_inside) {
             #pragma omp for schedule(static)
-            for (long m = 0; m < M; m++) iq_quantize_row(&a, x, m, is_bf16, fmt);
+            for (int b = 0; b < a.nb; b++) iq_quantize_column(&a, x, b, M, is_bf16, fmt);
             #pragma omp single nowait
             t = profile_mark(PROF_QUANTIZE, t);    /* also inside its linear's time */
         }
@@ -573,10 +601,12 @@ int int_quantize_rows(const void *x, int M, int K, int dtype, int fmt, int8_t *q
         iq_input_free(&a);
         return -1;
     }
-    memcpy(q, a.q, (size_t)M * K);
-    memcpy(d, a.d, (size_t)M * a.nb * 4);
-    memcpy(ds, a.ds, (size_t)M * a.nb * 4);
-    memcpy(start, a.start, (size_t)M * a.nb * 4);
+    for (long m = 0; m < M; m++)
+        for (int b = 0; b < a.nb; b++) {
+            const long i = iq_block_index(&a, m, b), o = m * a.nb + b;
+            memcpy(q + o * IQ_K, a.q + i * IQ_K, IQ_K);
+            d[o] = a.d[i], ds[o] = a.ds[i], start[o] = a.start[i];
+        }
     iq_input_free(&a);
     return 0;
 }
