@@ -113,6 +113,8 @@ typedef struct {
 static inline long iq_block_index(const iq_input *a, long m, int b) {
     return ((m / a->group) * a->nb + b) * a->group + m % a->group;
 }
+/* the same for rows of one group: row m's block b from its block 0 (no division per block) */
+static inline long iq_next_block(const iq_input *a, long first, int b) { return first + (long)b * a->group; }
 
 static inline int32_t iq_load4(const int8_t *p) {
     int32_t v;
@@ -249,11 +251,12 @@ static inline __attribute__((always_inline)) void iq_chunk_pair(const uint8_t *c
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, float out[][IQ_ROWS]) {
     const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = iq_has_halves(fmt);
+    const long first = iq_block_index(a, m0, 0);
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
-        const long i0 = iq_block_index(a, m0, b);      /* row m0 + r's block b: i0 + r */
+        const long i0 = iq_next_block(a, first, b);    /* row m0 + r's block b: i0 + r */
         for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
         __m512 dw, mw;
         if (fmt == IQ_K4) {
@@ -357,12 +360,13 @@ static inline __attribute__((always_inline)) void iq_block_scales8(const uint8_t
 static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, int h, float out[][IQ_ROWS]) {
     const int rec = iq_record_bytes(fmt), nb = a->nb, halves = iq_has_halves(fmt);
+    const long first = iq_block_index(a, m0, 0);
     __m256 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
-        const long i0 = iq_block_index(a, m0, b);      /* row m0 + r's block b: i0 + r */
+        const long i0 = iq_next_block(a, first, b);    /* row m0 + r's block b: i0 + r */
         if (h == 0)
             for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
         __m256 dw, mw;
@@ -427,12 +431,11 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
 /* The empty asm statements below pin each row's sums in registers in program order: without
    them GCC hoisted the unrolled products and spilled (~100 stack accesses a block). */
 
-/* t[r][h]: the 16-bit sums of rows m0.. x block b's 4-bit codes of half h (8 products of
-   <= 15 * 127 fit); group j holds chunks j (low nibbles) and j + 4 (high) */
-static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *codes, const iq_input *a, long m0,
-                                                                 int R, int b, __m256i t[][2]) {
+/* t[r][h]: the 16-bit sums of input block i0 + r (a row's block b) x block b's 4-bit codes of
+   half h (8 products of <= 15 * 127 fit); group j holds chunks j (low nibbles) and j + 4 (high) */
+static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *codes, const iq_input *a, long i0,
+                                                                 int R, __m256i t[][2]) {
     const __m256i nibble = _mm256_set1_epi8(15);
-    const long i0 = iq_block_index(a, m0, b);
     _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
         const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j + 32));
@@ -450,11 +453,10 @@ static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *
     }
 }
 
-/* t[r][h]: the 32-bit sums of rows m0.. x block b's int8 codes of half h, as iq_half's */
-static inline __attribute__((always_inline)) void iq_int8_sums(const uint8_t *codes, const iq_input *a, long m0,
-                                                               int R, int b, __m256i t[][2]) {
+/* t[r][h]: the 32-bit sums of input block i0 + r x block b's int8 codes of half h, as iq_half's */
+static inline __attribute__((always_inline)) void iq_int8_sums(const uint8_t *codes, const iq_input *a, long i0,
+                                                               int R, __m256i t[][2]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const long i0 = iq_block_index(a, m0, b);
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j + 32));
@@ -479,17 +481,18 @@ static inline __attribute__((always_inline)) void iq_int8_sums(const uint8_t *co
 static inline __attribute__((always_inline)) void iq_whole(const uint8_t *panel, int fmt, const iq_input *a,
                                                            long m0, int R, float out[][IQ_ROWS]) {
     const int rec = iq_record_bytes(fmt), nb = a->nb;
+    const long first = iq_block_index(a, m0, 0);
     __m256 acc[16][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt);
         for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
+        const long i0 = iq_next_block(a, first, b);    /* row m0 + r's block b: i0 + r */
         __m256i t[16][2];
-        if (iq_is_nibble(fmt)) iq_nibble_sums(codes, a, m0, R, b, t);
-        else iq_int8_sums(codes, a, m0, R, b, t);
+        if (iq_is_nibble(fmt)) iq_nibble_sums(codes, a, i0, R, t);
+        else iq_int8_sums(codes, a, i0, R, t);
         __m256 dw[2], mw[2];
         for (int h = 0; h < 2; h++) iq_block_scales8(panel, fmt, nb, b, h, &dw[h], &mw[h]);
-        const long i0 = iq_block_index(a, m0, b);      /* row m0 + r's block b: i0 + r */
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const long i = i0 + r;
             const __m256 dx = _mm256_set1_ps(a->d[i]);
