@@ -28,7 +28,7 @@ from specserve.speculative import target_verify as tv
 from specserve.speculative.params import SpecParams
 from specserve.speculative.policy import CostCurve, SpecPolicy, measure_cost_curve
 from specserve.speculative.state import RequestSpecState, spec_state, tail_ids  # noqa: F401 (re-export)
-from specserve.speculative.tree import DraftTree, depths, root_only, truncate_tree
+from specserve.speculative.tree import DraftTree, root_only, truncate_tree
 from specserve.speculative.verify import AcceptResult, emitted_tokens
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ class SpecWorker:
         if self.proposer.is_cheap:                   # the policy sees the real tree sizes
             trees = ([truncate_tree(t, cap) for t, cap in zip(proposed, caps)] if proposed is not None
                      else self._propose_cheap(engine, items, caps, depth_caps, states, can_pick))
-            sizes = self.policy.select(states, [t.num_nodes for t in trees], [tree_depth(t) for t in trees], can_pick)
+            sizes = self.policy.select(states, [t.num_nodes for t in trees], [t.depth for t in trees], can_pick)
             return [truncate_tree(t, n) if n > 1 or t.is_root_only else root_only(t.root_token)
                     for t, n in zip(trees, sizes)]
         sizes = self.policy.select(states, caps, depth_caps, can_pick)     # draft only where it may pay
@@ -318,7 +318,7 @@ class SpecWorker:
             engine.stats.spec_accepted_tokens += res.accept_len
             self.accept_histogram[res.accept_len] += 1
             self.num_draft_tokens_verified += tree.num_nodes - 1
-            self.policy.observe(spec_state(req).policy, res.accept_len, tree_depth(tree))
+            self.policy.observe(spec_state(req).policy, res.accept_len, tree.depth)
 
     def _count_steps(self, items: list, trees: list[DraftTree]) -> None:
         for item, tree in zip(items, trees):
@@ -347,10 +347,6 @@ class SpecWorker:
         state = spec_state(req).policy
         return {"spec_policy": self.params.policy, "spec_drafted_steps": state.num_drafted_steps,
                 "spec_plain_steps": state.num_plain_steps}
-
-
-def tree_depth(tree: DraftTree) -> int:
-    return 0 if tree.is_root_only else int(depths(tree.parents).max())
 
 
 def max_tree_nodes(engine, item, num_draft_tokens: int) -> int:

@@ -36,6 +36,7 @@ from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
 from specserve.speculative.tree import DraftTree, truncate_tree
+from specserve.speculative.tree import chain as chain_tree
 
 
 class EagleProposer(MirroredDraftProposer):
@@ -112,11 +113,10 @@ class EagleProposer(MirroredDraftProposer):
             hidden = out
             paths = [[path[0] + [self._scratch(b, step, 0)]] for b, path in enumerate(paths)]
         length = min(self.params.num_draft_tokens - 1, steps)
-        chains = torch.stack(chain[:length], dim=1).cpu()                            # [bs, length]
-        parents = torch.arange(-1, length)
+        drafted = list(zip(*(ids.tolist() for ids in chain[:length])))              # [bs][length]
         for item in items:
             self._mark(item.new_slots, False)          # the target writes tree nodes there
-        return [truncate_tree(DraftTree(torch.cat([torch.tensor(tail_ids(item.req, 1)), chains[b]]), parents), cap)
+        return [chain_tree([tail_ids(item.req, 1)[0], *drafted[b]][:cap])
                 for b, (item, cap) in enumerate(zip(items, max_nodes))]
 
     def _draft_ids(self, logits: Tensor) -> Tensor:

@@ -63,11 +63,16 @@ class DraftTree:
     is_sampled_with_replacement: bool = False
 
     def __post_init__(self) -> None:
-        _validate(self)
+        self._depth = max(_depth_list(_validate(self)))
 
     @property
     def num_nodes(self) -> int:
         return int(self.draft_tokens.shape[0])
+
+    @property
+    def depth(self) -> int:
+        """The deepest node's distance from the root (0: the root-only tree)."""
+        return self._depth
 
     @property
     def root_token(self) -> int:
@@ -96,7 +101,8 @@ class DraftTree:
                          self.is_sampled_with_replacement)
 
 
-def _validate(tree: DraftTree) -> None:
+def _validate(tree: DraftTree) -> list[int]:
+    """Raises ValueError for a malformed tree; returns its parents as a list."""
     tokens, parents = tree.draft_tokens, tree.parents
     if tokens.dim() != 1 or parents.dim() != 1 or tokens.shape != parents.shape:
         raise ValueError(f"draft_tokens and parents must be 1-D of equal length; got "
@@ -111,6 +117,7 @@ def _validate(tree: DraftTree) -> None:
     probs = tree.draft_probs
     if probs is not None and (probs.dim() != 2 or probs.shape[0] != tokens.shape[0]):
         raise ValueError(f"draft_probs must be [num_nodes, vocab]; got {tuple(probs.shape)}")
+    return par
 
 
 # ---- constructors ---------------------------------------------------------------
@@ -138,7 +145,7 @@ class _RootOnlyTree(DraftTree):
     """``root_only``'s tree: a DraftTree whose one-token tensor is made on first read."""
 
     def __init__(self, root_token: int) -> None:       # no dataclass __init__: nothing to validate
-        self._root, self._tokens = int(root_token), None
+        self._root, self._tokens, self._depth = int(root_token), None, 0
         self.parents, self.draft_probs, self.is_sampled_with_replacement = _ROOT_PARENTS, None, False
 
     @property

@@ -67,6 +67,7 @@ def test_structure_matches_brute_force(n):
             anc = set(_ancestors(par, i))
             assert [j for j in range(n) if mask[i, j]] == sorted(anc)
         assert depths(par_t).tolist() == [len(_ancestors(par, i)) - 1 for i in range(n)]
+        assert DraftTree(torch.arange(n), par_t).depth == max(len(_ancestors(par, i)) - 1 for i in range(n))
         leaves = [i for i in range(n) if i not in par]
         max_len = max(len(_ancestors(par, i)) for i in leaves)
         expected = [_ancestors(par, i) + [-1] * (max_len - len(_ancestors(par, i))) for i in leaves]
@@ -75,7 +76,7 @@ def test_structure_matches_brute_force(n):
 
 def test_chain_is_the_trivial_case():
     tree = chain([4, 5, 6, 7])
-    assert tree.is_chain and tree.parents.tolist() == [-1, 0, 1, 2]
+    assert tree.is_chain and tree.parents.tolist() == [-1, 0, 1, 2] and tree.depth == 3
     assert tree_mask(tree.parents).equal(torch.ones(4, 4, dtype=torch.bool).tril())
     assert positions(tree.parents, 3).tolist() == [3, 4, 5, 6]
     assert retrieve_indices(tree.parents).tolist() == [[0, 1, 2, 3]]
@@ -84,7 +85,7 @@ def test_chain_is_the_trivial_case():
 
 def test_root_only_tree_is_plain_decoding():
     tree = root_only(9)
-    assert tree.is_root_only and tree.is_chain and tree.root_token == 9
+    assert tree.is_root_only and tree.is_chain and tree.root_token == 9 and tree.depth == 0
     assert tree_mask(tree.parents).tolist() == [[True]]
     assert depths(tree.parents).tolist() == [0]
     assert positions(tree.parents, 5).tolist() == [5]
