@@ -3,6 +3,7 @@
 #define SPECSERVE_KERNELS_COMMON_H
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -131,11 +131,10 @@ static void add_into(void *h, const void *y, long n, int is_bf16) {
    Each element's arithmetic is the same at any vector width (exp16 = exp8 lane by lane, an
    IEEE divide), so the AVX-512 lanes give the AVX2 bits; rows split over the threads when
    there are enough of them (verification, prefill). */
-static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16, int nthreads) {
+static void silu_mul_rows(const void *gate_up, void *act, int t0, int t1, int I, int is_bf16) {
     const int esize = is_bf16 ? 2 : 4;
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && T >= 4 * nthreads)
-    for (int t = 0; t < T; t++) {
+    for (int t = t0; t < t1; t++) {
         const char *gate = (const char *)gate_up + (long)t * 2 * I * esize, *up = gate + (long)I * esize;
         char *out = (char *)act + (long)t * I * esize;
         int i = 0;
@@ -159,6 +158,110 @@ static void silu_mul(const void *gate_up, void *act, int T, int I, int is_bf16, 
     }
 }
 
+/* silu_mul_rows for rows [0, T) by the current team: rows split over the threads where there are
+   enough of them (verification, prefill), else one thread's */
+static void silu_mul_team(const void *gate_up, void *act, int T, int I, int is_bf16) {
+    const int nthreads = omp_get_num_threads();
+    if (nthreads == 1 || T < 4 * nthreads) {
+        #pragma omp master
+        silu_mul_rows(gate_up, act, 0, T, I, is_bf16);
+        #pragma omp barrier
+        return;
+    }
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) silu_mul_rows(gate_up, act, t, t + 1, I, is_bf16);
+}
+
+/* a layer's intermediate rows, shared by the threads of its team */
+typedef struct {
+    char *x, *qkv, *attn, *y, *gate_up, *act;
+    iq_input linear_input;      /* the integer linears' quantized input rows */
+} layer_buffers;
+
+static void layer_buffers_free(layer_buffers *b) {
+    free(b->x), free(b->qkv), free(b->attn), free(b->y), free(b->gate_up), free(b->act);
+    iq_input_free(&b->linear_input);
+}
+
+/* buffers for T rows of a layer of these dims (decoder_layer's); -1 where one could not be had */
+static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dtype) {
+    const size_t esize = dtype == DTYPE_BF16 ? 2 : 4, H = dims[0], I = dims[4];
+    const size_t q_width = (size_t)dims[1] * dims[3], qkv_width = q_width + 2 * (size_t)dims[2] * dims[3];
+    size_t widest = (size_t)dims[5] > q_width ? (size_t)dims[5] : q_width;     /* the linears' widest input */
+    widest = I > widest ? I : widest;
+    b->x = malloc(T * H * esize), b->qkv = malloc(T * qkv_width * esize), b->attn = malloc(T * q_width * esize);
+    b->y = malloc(T * H * esize), b->gate_up = malloc(T * 2 * I * esize), b->act = malloc(T * I * esize);
+    const int inputs_failed = iq_input_alloc(&b->linear_input, T, (int)((widest + IQ_K - 1) / IQ_K * IQ_K));
+    if (b->x && b->qkv && b->attn && b->y && b->gate_up && b->act && !inputs_failed) return 0;
+    layer_buffers_free(b);
+    return -1;
+}
+
+/* decoder_layer by the threads of the current team (every thread calls it with the same
+   arguments; one thread outside a region): the row-wise steps on one thread, the linears and
+   attention shared out, a barrier after each step. Returns the same status in every thread. */
+static int decoder_layer_team(void *h, const void *x_in, const void *const *norms, const linear_weights *linears,
+                              const float *qkv_bias, float eps, const int *dims, const void *cos, const void *sin,
+                              void *k_layer, void *v_layer, const int64_t *out_loc, const int64_t *kv_indices,
+                              const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
+                              int T, int L, int Q, int dtype, int kv_dtype, const layer_buffers *buf) {
+    const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
+    const int is_bf16 = dtype == DTYPE_BF16;
+    const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
+    if (H % 8 || I % 8 || q_width % 8 || hd > MAX_HEAD_DIM || (x_in == NULL && in_width != H)) return -1;
+    char *x = buf->x, *qkv = buf->qkv, *attn = buf->attn, *y = buf->y, *gate_up = buf->gate_up, *act = buf->act;
+    int status = 0;
+    double t = profile_clock();       /* the master thread's clock marks each step after its barrier */
+    #pragma omp master
+    {
+        if (x_in == NULL) rms_norm(h, norms[0], x, T, H, eps, is_bf16);
+        t = profile_mark(PROF_NORM, t);
+    }
+    #pragma omp barrier
+    status |= linear_forward_team(&linears[0], x_in ? x_in : x, qkv_bias, qkv, T, qkv_width, in_width, dtype,
+                                  &buf->linear_input);
+    #pragma omp master
+    t = profile_mark(PROF_QKV, t);
+    #pragma omp master
+    {
+        rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
+        write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16,
+                    kv_dtype == DTYPE_BF16);
+        t = profile_mark(PROF_ROTARY, t);
+    }
+    #pragma omp barrier
+    status |= attention_rows_team(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
+                                  T, L, Q, nh, nkv, hd, dtype, kv_dtype);
+    #pragma omp master
+    t = profile_mark(PROF_ATTENTION, t);
+    status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, &buf->linear_input);
+    #pragma omp master
+    t = profile_mark(PROF_O, t);
+    #pragma omp master
+    {
+        add_into(h, y, (long)T * H, is_bf16);
+        rms_norm(h, norms[1], x, T, H, eps, is_bf16);
+        t = profile_mark(PROF_NORM, t);
+    }
+    #pragma omp barrier
+    status |= linear_forward_team(&linears[2], x, NULL, gate_up, T, 2 * I, H, dtype, &buf->linear_input);
+    #pragma omp master
+    t = profile_mark(PROF_GATE_UP, t);
+    silu_mul_team(gate_up, act, T, I, is_bf16);
+    #pragma omp master
+    t = profile_mark(PROF_SILU, t);
+    status |= linear_forward_team(&linears[3], act, NULL, y, T, H, I, dtype, &buf->linear_input);
+    #pragma omp master
+    t = profile_mark(PROF_DOWN, t);
+    #pragma omp master
+    {
+        add_into(h, y, (long)T * H, is_bf16);
+        profile_mark(PROF_NORM, t);
+    }
+    #pragma omp barrier
+    return status ? -1 : 0;
+}
+
 /* norms: {ln1, ln2} in the storage dtype; linears: {qkv, o, gate_up, down}; qkv_bias float32 or
    NULL; dims: {H, num_heads, num_kv_heads, head_dim, intermediate, qkv input width}. x_in: NULL
    (attention reads ln1(h); the input width is H), or the attention's input [T, input width]
@@ -170,62 +273,52 @@ int decoder_layer(void *h, const void *x_in, const void *const *norms, const lin
                   const void *cos, const void *sin, void *k_layer, void *v_layer, const int64_t *out_loc,
                   const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
                   const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
-    const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
-    const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
-    const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
-    if (H % 8 || I % 8 || q_width % 8 || hd > MAX_HEAD_DIM || (x_in == NULL && in_width != H)) return -1;
-    char *x = malloc((size_t)T * H * esize), *qkv = malloc((size_t)T * qkv_width * esize);
-    char *attn = malloc((size_t)T * q_width * esize), *y = malloc((size_t)T * H * esize);
-    char *gate_up = malloc((size_t)T * 2 * I * esize), *act = malloc((size_t)T * I * esize);
+    layer_buffers buf;
+    if (layer_buffers_alloc(&buf, dims, T, dtype)) return -1;
     int status = 0;
-    double t = profile_clock();
-    if (x_in == NULL) rms_norm(h, norms[0], x, T, H, eps, is_bf16);
-    t = profile_mark(PROF_NORM, t);
-    status |= linear_forward(&linears[0], x_in ? x_in : x, qkv_bias, qkv, T, qkv_width, in_width, dtype, nthreads);
-    t = profile_mark(PROF_QKV, t);
-    rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
-    write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16,
-                kv_dtype == DTYPE_BF16);
-    t = profile_mark(PROF_ROTARY, t);
-    status |= attention_rows(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
-                             T, L, Q, nh, nkv, hd, dtype, kv_dtype, nthreads);
-    t = profile_mark(PROF_ATTENTION, t);
-    status |= linear_forward(&linears[1], attn, NULL, y, T, H, q_width, dtype, nthreads);
-    t = profile_mark(PROF_O, t);
-    add_into(h, y, (long)T * H, is_bf16);
-    rms_norm(h, norms[1], x, T, H, eps, is_bf16);
-    t = profile_mark(PROF_NORM, t);
-    status |= linear_forward(&linears[2], x, NULL, gate_up, T, 2 * I, H, dtype, nthreads);
-    t = profile_mark(PROF_GATE_UP, t);
-    silu_mul(gate_up, act, T, I, is_bf16, nthreads);
-    t = profile_mark(PROF_SILU, t);
-    status |= linear_forward(&linears[3], act, NULL, y, T, H, I, dtype, nthreads);
-    t = profile_mark(PROF_DOWN, t);
-    add_into(h, y, (long)T * H, is_bf16);
-    free(x), free(qkv), free(attn), free(y), free(gate_up), free(act);
-    profile_mark(PROF_NORM, t);
-    return status ? -1 : 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int s = decoder_layer_team(h, x_in, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer,
+                                         out_loc, kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype,
+                                         &buf);
+        #pragma omp master
+        status = s;
+    }
+    layer_buffers_free(&buf);
+    return status;
 }
 
 /* Every layer of a model in one call (decode-shaped forwards): layer l takes norms[2l..2l+1],
    linears[4l..4l+3], qkv_biases[l] (NULL: none) and its K/V at k_cache/v_cache + l * layer_bytes;
    aux_out (NULL, or num_layers pointers): where aux_out[l] is set, layer l's input h [T, H] is
    copied there first (EAGLE-3's captured features); the rest as in decoder_layer. Saves a Python
-   call, its checks and its argument conversions per layer. */
+   call, its checks and its argument conversions per layer; the layers run in one parallel region
+   (a barrier between steps instead of a region per linear and attention: ~150 regions a decode
+   step, each ~1 us to start on a 2-core Xeon). */
 int decoder_layers(void *h, const void *const *norms, const linear_weights *linears, const float *const *qkv_biases,
                    float eps, const int *dims, int num_layers, const void *cos, const void *sin, char *k_cache,
                    char *v_cache, long layer_bytes, const int64_t *out_loc, const int64_t *kv_indices,
                    const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, void *const *aux_out,
                    int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
     const size_t h_bytes = (size_t)T * dims[0] * (dtype == DTYPE_BF16 ? 2 : 4);
-    for (int l = 0; l < num_layers; l++) {
-        if (aux_out && aux_out[l]) memcpy(aux_out[l], h, h_bytes);
-        if (decoder_layer(h, NULL, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
-                          k_cache + l * layer_bytes, v_cache + l * layer_bytes, out_loc, kv_indices, mask,
-                          row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads))
-            return -1;
+    layer_buffers buf;
+    if (layer_buffers_alloc(&buf, dims, T, dtype)) return -1;
+    int status = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int s = 0;
+        for (int l = 0; l < num_layers && s == 0; l++) {
+            #pragma omp master
+            if (aux_out && aux_out[l]) memcpy(aux_out[l], h, h_bytes);
+            s = decoder_layer_team(h, NULL, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
+                                   k_cache + l * layer_bytes, v_cache + l * layer_bytes, out_loc, kv_indices, mask,
+                                   row_batch, row_query, T, L, Q, dtype, kv_dtype, &buf);
+        }
+        #pragma omp master
+        status = s;
     }
-    return 0;
+    layer_buffers_free(&buf);
+    return status;
 }
 
 /* The model's ends for T rows: h [T, H] = the embedding's rows of ids (vocab rows, the dtype);

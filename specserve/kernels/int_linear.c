@@ -181,6 +181,7 @@ static void iq_quantize_block(const void *x, int is_bf16, int fmt, int8_t *q, fl
     *start_lo = iq_start(fmt, _mm_cvtsi128_si32(l4));
 }
 
+/* buffers for M rows of K (a's K, nb and group set for that shape) */
 static int iq_input_alloc(iq_input *a, int M, int K) {
     const int nb = K / IQ_K;
     const long rows = (M + IQ_GROUP_ROWS - 1) / IQ_GROUP_ROWS * IQ_GROUP_ROWS;
@@ -551,45 +552,59 @@ static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long
     }
 }
 
-/* y = x @ W^T (+ bias) for W as panels (N rounded up to 16 rows, zero rows past N) */
-static int int_linear(const uint8_t *panels, int fmt, const void *x, const float *bias, void *y,
-                      int M, int N, int K, int dtype, int nthreads) {
+/* y = x @ W^T (+ bias) for W as panels (N rounded up to 16 rows, zero rows past N), by the
+   threads of the current team: every thread of a parallel region calls it (decoder_layers runs
+   a model's layers in one region), or one thread outside any. Returns the same status in each. */
+static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const float *bias, void *y,
+                           int M, int N, int K, int dtype, const iq_input *scratch) {
     if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_NUM_FORMATS || M < 1 || N < 1) return -1;
-    const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
     if (fmt == IQ_K4 && K % 256) return -1;
+    const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
     const long panel_bytes = iq_panel_bytes(fmt, K / IQ_K);
-    iq_input a;
-    if (iq_input_alloc(&a, M, K)) {
-        iq_input_free(&a);
-        return -1;
-    }
     const long num_chunks = (M + IQ_CHUNK_ROWS - 1) / IQ_CHUNK_ROWS, items = num_chunks * num_panels;
-    double t = profile_clock();
-    const int quantize_inside = M >= 4 * nthreads;    /* fewer rows: not worth a barrier */
+    const int quantize_inside = M >= 4 * omp_get_num_threads();    /* fewer rows: not worth a barrier */
+    iq_input a;
+    int failed = 0;
+    if (scratch) {              /* buffers of the caller's, for at least M rows of K */
+        a = *scratch;
+        a.K = K, a.nb = K / IQ_K, a.group = M < IQ_GROUP_ROWS ? M : IQ_GROUP_ROWS;
+    } else {
+        #pragma omp single copyprivate(a, failed)
+        {
+            failed = iq_input_alloc(&a, M, K);
+            if (failed) iq_input_free(&a);
+        }
+    }
+    if (failed) return -1;
     if (!quantize_inside) {
-        for (int b = 0; b < a.nb; b++) iq_quantize_column(&a, x, b, M, is_bf16, fmt);
-        t = profile_mark(PROF_QUANTIZE, t);
-    }
-    #pragma omp parallel num_threads(nthreads)
-    {
-        if (quantize_inside) {
-            #pragma omp for schedule(static)
+        #pragma omp master
+        {
+            double t = profile_clock();
             for (int b = 0; b < a.nb; b++) iq_quantize_column(&a, x, b, M, is_bf16, fmt);
-            #pragma omp single nowait
-            t = profile_mark(PROF_QUANTIZE, t);    /* also inside its linear's time */
+            profile_mark(PROF_QUANTIZE, t);
         }
-        /* panel-major: a thread's share is a range of panels, each taken for every chunk of rows
-           in turn (while it is in cache); chunk-major gave one thread the first 64 rows and the
-           other the rest (79 rows: 64 against 15) and streamed the weights once per chunk */
+        #pragma omp barrier
+    } else {
+        double t = profile_clock();
         #pragma omp for schedule(static)
-        for (long it = 0; it < items; it++) {
-            const long chunk = it % num_chunks, m0 = chunk * IQ_CHUNK_ROWS;
-            const long m1 = m0 + IQ_CHUNK_ROWS < M ? m0 + IQ_CHUNK_ROWS : M;
-            const int pnl = (int)(it / num_chunks);
-            iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16);
-        }
+        for (int b = 0; b < a.nb; b++) iq_quantize_column(&a, x, b, M, is_bf16, fmt);
+        #pragma omp master
+        profile_mark(PROF_QUANTIZE, t);    /* also inside its linear's time */
     }
-    iq_input_free(&a);
+    /* panel-major: a thread's share is a range of panels, each taken for every chunk of rows
+       in turn (while it is in cache); chunk-major gave one thread the first 64 rows and the
+       other the rest (79 rows: 64 against 15) and streamed the weights once per chunk */
+    #pragma omp for schedule(static)
+    for (long it = 0; it < items; it++) {
+        const long chunk = it % num_chunks, m0 = chunk * IQ_CHUNK_ROWS;
+        const long m1 = m0 + IQ_CHUNK_ROWS < M ? m0 + IQ_CHUNK_ROWS : M;
+        const int pnl = (int)(it / num_chunks);
+        iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16);
+    }
+    if (!scratch) {
+        #pragma omp single nowait
+        iq_input_free(&a);
+    }
     return 0;
 }
 

@@ -643,12 +643,16 @@ static int count_segments(const int32_t *row_batch, int T, int block, int *start
    rows at the same time); the task that finishes a (segment, head)'s last split merges its rows
    (a counter per pair, acquire-release: it sees every other split's partials; no barrier) */
 static void attend_by_split(const att_call *c, const int *segment_start, int num_segments, int block,
-                            int max_splits, void *out, int nthreads) {
+                            int max_splits, void *out) {
     const long pf = partial_floats(c->group, c->head_dim), per_split = (long)block * pf;
     const long per_head = (long)num_segments * c->num_kv_heads;
-    float *part = (float *)malloc((size_t)per_head * max_splits * per_split * sizeof(float));
-    int *splits_done = (int *)calloc((size_t)per_head, sizeof(int));
-    #pragma omp parallel num_threads(nthreads)
+    float *part;
+    int *splits_done;
+    #pragma omp single copyprivate(part, splits_done)
+    {
+        part = (float *)malloc((size_t)per_head * max_splits * per_split * sizeof(float));
+        splits_done = (int *)calloc((size_t)per_head, sizeof(int));
+    }
     {
         row_scratch scratch[ROW_BLOCK];
         for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hd16);
@@ -671,15 +675,17 @@ static void attend_by_split(const att_call *c, const int *segment_start, int num
         }
         for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
-    free(splits_done);
-    free(part);
+    #pragma omp single nowait
+    {
+        free(splits_done);
+        free(part);
+    }
 }
 
 /* a task per segment, its heads and splits in turn */
 static void attend_by_segment(const att_call *c, const int *segment_start, int num_segments, int block,
-                              int max_splits, void *out, int nthreads) {
+                              int max_splits, void *out) {
     const long pf = partial_floats(c->group, c->head_dim);
-    #pragma omp parallel num_threads(nthreads)
     {
         row_scratch scratch[ROW_BLOCK];
         for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hd16);
@@ -705,11 +711,12 @@ static void attend_by_segment(const att_call *c, const int *segment_start, int n
    go as tasks of a segment of rows, one KV head and one key split each, merged after;
    otherwise a task is a segment of consecutive rows of one request with all its heads and
    splits. */
-int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
-                   const int64_t *kv_indices, const uint8_t *mask,
-                   const int32_t *row_batch, const int32_t *row_query,
-                   int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
-                   int dtype, int kv_dtype, int nthreads) {
+static int attention_rows_team(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
+                               const int64_t *kv_indices, const uint8_t *mask,
+                               const int32_t *row_batch, const int32_t *row_query,
+                               int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
+                               int dtype, int kv_dtype) {
+    const int nthreads = omp_get_num_threads();
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
     const int is_bf16 = kv_dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
@@ -732,11 +739,28 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
     const int block = T < 2 * nthreads ? 1 : by_split || per_thread > ROW_BLOCK ? ROW_BLOCK : per_thread;
     const int num_segments = count_segments(row_batch, T, block, segment_start);
     if (by_split)
-        attend_by_split(&c, segment_start, num_segments, block, max_splits, out, nthreads);
+        attend_by_split(&c, segment_start, num_segments, block, max_splits, out);
     else
-        attend_by_segment(&c, segment_start, num_segments, block, max_splits, out, nthreads);
+        attend_by_segment(&c, segment_start, num_segments, block, max_splits, out);
     free(segment_start);
     return 0;
+}
+
+/* attention_rows_team in a region of its own */
+int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
+                   const int64_t *kv_indices, const uint8_t *mask,
+                   const int32_t *row_batch, const int32_t *row_query,
+                   int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
+                   int dtype, int kv_dtype, int nthreads) {
+    int status = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int s = attention_rows_team(q, q_ld, k_layer, v_layer, out, kv_indices, mask, row_batch, row_query,
+                                          T, L, Q, num_heads, num_kv_heads, head_dim, dtype, kv_dtype);
+        #pragma omp master
+        status = s;
+    }
+    return status;
 }
 
 /* q [T, num_heads, head_dim] contiguous; see attention_rows */

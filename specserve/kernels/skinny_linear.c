@@ -103,47 +103,64 @@ static void weight_block(const float *xf, const void *w, long row_bytes, int for
     }
 }
 
-/* y = x @ w^T (+ bias) over weights w in format (CODED_NONE: dense in the dtype) */
-static int run_linear(const void *x, const void *w, int format, const float *bias, void *y,
-                      int M, int N, int K, int dtype, int nthreads) {
+/* y = x @ w^T (+ bias) over weights w in format (CODED_NONE: dense in the dtype), by the threads
+   of the current team (as int_linear_team: every thread of a region calls it, or one thread) */
+static int run_linear_team(const void *x, const void *w, int format, const float *bias, void *y,
+                           int M, int N, int K, int dtype) {
     const int is_bf16 = dtype == DTYPE_BF16;
     if (K % 8 || M < 1 || N < 1 || (format && (K % CODE_BLOCK || !coded_supports(format, is_bf16)))) return -1;
     const long row_bytes = format ? coded_row_bytes(K, format) : (long)K * (is_bf16 ? 2 : 4);
     float *xf = (float *)x;
     if (is_bf16) {
-        xf = (float *)malloc((size_t)M * K * 4);
-        for (long i = 0; i < (long)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16((const uint16_t *)x + i));
+        #pragma omp single copyprivate(xf)
+        {
+            xf = (float *)malloc((size_t)M * K * 4);
+            for (long i = 0; i < (long)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16((const uint16_t *)x + i));
+        }
     }
     const int nblocks = (N + NB - 1) / NB;
+    void *tail = malloc((size_t)NB * row_bytes);
+    float *res = (float *)malloc((size_t)M * NB * 4);
+    float *scratch = format ? (float *)malloc((size_t)NB * K * 4) : NULL;
+    #pragma omp for schedule(static)
+    for (int b = 0; b < nblocks; b++) {
+        const int n = b * NB, nb = N - n < NB ? N - n : NB;
+        const char *wb = (const char *)w + (long)n * row_bytes;
+        const char *pf = b + PF_BLOCKS < nblocks ? wb + (long)PF_BLOCKS * NB * row_bytes : NULL;
+        if (nb < NB) {                    /* last partial block: pad with zero rows */
+            memset(tail, 0, (size_t)NB * row_bytes);
+            memcpy(tail, wb, (size_t)nb * row_bytes);
+            wb = (const char *)tail;
+        }
+        weight_block(xf, wb, row_bytes, format, M, K, is_bf16, pf, scratch, res);
+        for (int m = 0; m < M; m++)
+            for (int i = 0; i < nb; i++) {
+                float v = res[(long)m * NB + i] + (bias ? bias[n + i] : 0.f);
+                if (is_bf16) ((uint16_t *)y)[(long)m * N + n + i] = f32_to_bf16(v);
+                else ((float *)y)[(long)m * N + n + i] = v;
+            }
+    }
+    free(tail);
+    free(res);
+    free(scratch);
+    if (is_bf16) {
+        #pragma omp single nowait
+        free(xf);
+    }
+    return 0;
+}
+
+/* run_linear_team in a region of its own */
+static int run_linear(const void *x, const void *w, int format, const float *bias, void *y,
+                      int M, int N, int K, int dtype, int nthreads) {
+    int status = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        void *tail = malloc((size_t)NB * row_bytes);
-        float *res = (float *)malloc((size_t)M * NB * 4);
-        float *scratch = format ? (float *)malloc((size_t)NB * K * 4) : NULL;
-        #pragma omp for schedule(static)
-        for (int b = 0; b < nblocks; b++) {
-            const int n = b * NB, nb = N - n < NB ? N - n : NB;
-            const char *wb = (const char *)w + (long)n * row_bytes;
-            const char *pf = b + PF_BLOCKS < nblocks ? wb + (long)PF_BLOCKS * NB * row_bytes : NULL;
-            if (nb < NB) {                    /* last partial block: pad with zero rows */
-                memset(tail, 0, (size_t)NB * row_bytes);
-                memcpy(tail, wb, (size_t)nb * row_bytes);
-                wb = (const char *)tail;
-            }
-            weight_block(xf, wb, row_bytes, format, M, K, is_bf16, pf, scratch, res);
-            for (int m = 0; m < M; m++)
-                for (int i = 0; i < nb; i++) {
-                    float v = res[(long)m * NB + i] + (bias ? bias[n + i] : 0.f);
-                    if (is_bf16) ((uint16_t *)y)[(long)m * N + n + i] = f32_to_bf16(v);
-                    else ((float *)y)[(long)m * N + n + i] = v;
-                }
-        }
-        free(tail);
-        free(res);
-        free(scratch);
+        const int s = run_linear_team(x, w, format, bias, y, M, N, K, dtype);
+        #pragma omp master
+        status = s;
     }
-    if (is_bf16) free(xf);
-    return 0;
+    return status;
 }
 
 /* dtype: 0 float32, 1 bfloat16 (x, w and y share it). bias: fp32 or NULL. K % 8 == 0. */
@@ -153,12 +170,26 @@ int skinny_linear(const void *x, const void *w, const float *bias, void *y,
 }
 
 /* the integer kernel where the weights have panels; else the coded weights for up to
-   coded_max_rows rows, else the dense ones (the same bits) */
+   coded_max_rows rows, else the dense ones (the same bits); by the current team's threads
+   (scratch: the integer kernel's input buffers for these rows, or NULL: its own) */
+static int linear_forward_team(const linear_weights *lw, const void *x, const float *bias, void *y,
+                               int M, int N, int K, int dtype, const iq_input *scratch) {
+    if (lw->int_panels && lw->int_format)
+        return int_linear_team(lw->int_panels, lw->int_format, x, bias, y, M, N, K, dtype, scratch);
+    if (lw->coded && lw->coded_format && M <= lw->coded_max_rows)
+        return run_linear_team(x, lw->coded, lw->coded_format, bias, y, M, N, K, dtype);
+    return run_linear_team(x, lw->dense, CODED_NONE, bias, y, M, N, K, dtype);
+}
+
+/* linear_forward_team in a region of its own */
 int linear_forward(const linear_weights *lw, const void *x, const float *bias, void *y,
                    int M, int N, int K, int dtype, int nthreads) {
-    if (lw->int_panels && lw->int_format)
-        return int_linear(lw->int_panels, lw->int_format, x, bias, y, M, N, K, dtype, nthreads);
-    if (lw->coded && lw->coded_format && M <= lw->coded_max_rows)
-        return run_linear(x, lw->coded, lw->coded_format, bias, y, M, N, K, dtype, nthreads);
-    return run_linear(x, lw->dense, CODED_NONE, bias, y, M, N, K, dtype, nthreads);
+    int status = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int s = linear_forward_team(lw, x, bias, y, M, N, K, dtype, NULL);
+        #pragma omp master
+        status = s;
+    }
+    return status;
 }
