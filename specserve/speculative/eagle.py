@@ -35,8 +35,7 @@ from specserve.speculative import dynamic_tree as dt
 from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
 from specserve.speculative.state import spec_state, tail_ids
-from specserve.speculative.tree import DraftTree, truncate_tree
-from specserve.speculative.tree import chain as chain_tree
+from specserve.speculative.tree import DraftTree, chain as chain_tree, truncate_tree
 
 
 class EagleProposer(MirroredDraftProposer):
