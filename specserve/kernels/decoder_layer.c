@@ -176,11 +176,14 @@ static void silu_mul_team(const void *gate_up, void *act, int T, int I, int is_b
 typedef struct {
     char *x, *qkv, *attn, *y, *gate_up, *act;
     iq_input linear_input;      /* the integer linears' quantized input rows */
+    att_scratch attention;      /* attention's shared partials, prepared before each call */
+    int attention_ready;        /* whether attention is prepared (else it allocates its own) */
 } layer_buffers;
 
 static void layer_buffers_free(layer_buffers *b) {
     free(b->x), free(b->qkv), free(b->attn), free(b->y), free(b->gate_up), free(b->act);
     iq_input_free(&b->linear_input);
+    att_scratch_free(&b->attention);
 }
 
 /* buffers for T rows of a layer of these dims (decoder_layer's); -1 where one could not be had */
@@ -189,6 +192,7 @@ static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dty
     const size_t q_width = (size_t)dims[1] * dims[3], qkv_width = q_width + 2 * (size_t)dims[2] * dims[3];
     size_t widest = (size_t)dims[5] > q_width ? (size_t)dims[5] : q_width;     /* the linears' widest input */
     widest = I > widest ? I : widest;
+    b->attention = (att_scratch){NULL, NULL, 0, 0};
     b->x = malloc(T * H * esize), b->qkv = malloc(T * qkv_width * esize), b->attn = malloc(T * q_width * esize);
     b->y = malloc(T * H * esize), b->gate_up = malloc(T * 2 * I * esize), b->act = malloc(T * I * esize);
     const int inputs_failed = iq_input_alloc(&b->linear_input, T, (int)((widest + IQ_K - 1) / IQ_K * IQ_K));
@@ -204,7 +208,7 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
                               const float *qkv_bias, float eps, const int *dims, const void *cos, const void *sin,
                               void *k_layer, void *v_layer, const int64_t *out_loc, const int64_t *kv_indices,
                               const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
-                              int T, int L, int Q, int dtype, int kv_dtype, const layer_buffers *buf) {
+                              int T, int L, int Q, int dtype, int kv_dtype, layer_buffers *buf) {
     const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
     const int is_bf16 = dtype == DTYPE_BF16;
     const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
@@ -222,16 +226,19 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
                                   &buf->linear_input);
     #pragma omp master
     t = profile_mark(PROF_QKV, t);
+    int prepared = 0;       /* shared through buf: the master's result, read after the barrier */
     #pragma omp master
     {
         rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
         write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16,
                     kv_dtype == DTYPE_BF16);
+        buf->attention_ready = att_scratch_prepare(&buf->attention, row_batch, T, L, nh, nkv, hd) == 0;
         t = profile_mark(PROF_ROTARY, t);
     }
     #pragma omp barrier
+    prepared = buf->attention_ready;
     status |= attention_rows_team(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
-                                  T, L, Q, nh, nkv, hd, dtype, kv_dtype);
+                                  T, L, Q, nh, nkv, hd, dtype, kv_dtype, prepared ? &buf->attention : NULL);
     #pragma omp master
     t = profile_mark(PROF_ATTENTION, t);
     status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, &buf->linear_input);

@@ -639,19 +639,79 @@ static int count_segments(const int32_t *row_batch, int T, int block, int *start
     return n;
 }
 
+/* How T rows over L keys are shared out to n threads. Tasks of a segment, KV head and split for
+   rows too few to share out (a decode step: a row a segment) and for a verify on a long context
+   (ROW_BLOCK rows a segment, at least two whole splits' tasks a thread: each K/V row is then read
+   once, for every row of the verify, where a task per segment reads all of them once a segment:
+   after 512 or 1,024 tokens, attention in 0.80-0.89x the time at W=8 and 0.86-0.92x at W=4 on a
+   2-thread Zen3, interleaved runs); otherwise a task per segment, sized to share the rows out (a
+   verify on a short context: 3 KV heads of one split do not split evenly over 2 threads).
+   segment_start (or NULL): the segments' first rows, as count_segments gives them. */
+typedef struct {
+    int by_split, block, num_segments;
+} att_plan;
+
+static att_plan plan_attention(const int32_t *row_batch, int T, int L, int num_kv_heads, int n, int *segment_start) {
+    const int segments_of_block = count_segments(row_batch, T, ROW_BLOCK, NULL);
+    const int per_thread = (T + n - 1) / n, whole_splits = L / KEY_SPLIT;
+    att_plan plan;
+    plan.by_split = T < 2 * n ||
+                    (segments_of_block < n && (long)segments_of_block * num_kv_heads * whole_splits >= 2L * n);
+    plan.block = T < 2 * n ? 1 : plan.by_split || per_thread > ROW_BLOCK ? ROW_BLOCK : per_thread;
+    plan.num_segments = count_segments(row_batch, T, plan.block, segment_start);
+    return plan;
+}
+
+/* The by-split tasks' partials and per-(segment, head) counters of a team's calls, prepared by one
+   thread before them (decoder_layer_team: with the step before attention), so that the call
+   needs no barrier to share its own (a single's copy cost ~2 us a layer at 1 row) */
+typedef struct {
+    float *part;
+    int *splits_done;
+    long part_capacity, counter_capacity;      /* floats, ints */
+} att_scratch;
+
+/* s holds what attention_rows_team needs for these rows (row_batch, T of them) over L keys, its
+   counters zeroed; called by one thread of the team that then calls attention_rows_team. -1
+   where memory could not be had. */
+static int att_scratch_prepare(att_scratch *s, const int32_t *row_batch, int T, int L, int num_heads,
+                               int num_kv_heads, int head_dim) {
+    const att_plan plan = plan_attention(row_batch, T, L, num_kv_heads, omp_get_num_threads(), NULL);
+    const int group = num_heads / num_kv_heads, max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
+    const long counters = plan.by_split ? (long)plan.num_segments * num_kv_heads : 1;
+    const long floats = counters * max_splits * plan.block * partial_floats(group, head_dim);
+    if (floats > s->part_capacity) {
+        free(s->part);
+        s->part = (float *)malloc((size_t)floats * sizeof(float));
+        s->part_capacity = s->part ? floats : 0;
+    }
+    if (counters > s->counter_capacity) {
+        free(s->splits_done);
+        s->splits_done = (int *)malloc((size_t)counters * sizeof(int));
+        s->counter_capacity = s->splits_done ? counters : 0;
+    }
+    if (!s->part || !s->splits_done) return -1;
+    memset(s->splits_done, 0, (size_t)counters * sizeof(int));
+    return 0;
+}
+
+static void att_scratch_free(att_scratch *s) { free(s->part), free(s->splits_done); }
+
 /* tasks of one segment, KV head and split (splits outermost: the threads work on the same K/V
    rows at the same time); the task that finishes a (segment, head)'s last split merges its rows
    (a counter per pair, acquire-release: it sees every other split's partials; no barrier) */
 static void attend_by_split(const att_call *c, const int *segment_start, int num_segments, int block,
-                            int max_splits, void *out) {
+                            int max_splits, void *out, const att_scratch *prepared) {
     const long pf = partial_floats(c->group, c->head_dim), per_split = (long)block * pf;
     const long per_head = (long)num_segments * c->num_kv_heads;
-    float *part;
-    int *splits_done;
-    #pragma omp single copyprivate(part, splits_done)
-    {
-        part = (float *)malloc((size_t)per_head * max_splits * per_split * sizeof(float));
-        splits_done = (int *)calloc((size_t)per_head, sizeof(int));
+    float *part = prepared ? prepared->part : NULL;
+    int *splits_done = prepared ? prepared->splits_done : NULL;
+    if (!prepared) {
+        #pragma omp single copyprivate(part, splits_done)
+        {
+            part = (float *)malloc((size_t)per_head * max_splits * per_split * sizeof(float));
+            splits_done = (int *)calloc((size_t)per_head, sizeof(int));
+        }
     }
     {
         row_scratch scratch[ROW_BLOCK];
@@ -675,10 +735,12 @@ static void attend_by_split(const att_call *c, const int *segment_start, int num
         }
         for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
-    #pragma omp single nowait
-    {
-        free(splits_done);
-        free(part);
+    if (!prepared) {
+        #pragma omp single nowait
+        {
+            free(splits_done);
+            free(part);
+        }
     }
 }
 
@@ -715,8 +777,7 @@ static int attention_rows_team(const void *q, long q_ld, const void *k_layer, co
                                const int64_t *kv_indices, const uint8_t *mask,
                                const int32_t *row_batch, const int32_t *row_query,
                                int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
-                               int dtype, int kv_dtype) {
-    const int nthreads = omp_get_num_threads();
+                               int dtype, int kv_dtype, const att_scratch *prepared) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
     const int is_bf16 = kv_dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
@@ -725,23 +786,11 @@ static int attention_rows_team(const void *q, long q_ld, const void *k_layer, co
                         (head_dim + 15) / 16 * 16, dtype == DTYPE_BF16, is_bf16};
     const int max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
     int *segment_start = (int *)malloc((size_t)(T + 1) * sizeof(int));
-    /* Tasks of a segment, KV head and split for rows too few to share out (a decode step: a
-       row a segment) and for a verify on a long context (ROW_BLOCK rows a segment, at least
-       two whole splits' tasks a thread: each K/V row is then read once, for every row of the
-       verify, where a task per segment reads all of them once a segment: after 512 or 1,024
-       tokens, attention in 0.80-0.89x the time at W=8 and 0.86-0.92x at W=4 on a 2-thread
-       Zen3, interleaved runs); otherwise a task per segment, sized to share the rows out (a
-       verify on a short context: 3 KV heads of one split do not split evenly over 2 threads) */
-    const int segments_of_block = count_segments(row_batch, T, ROW_BLOCK, NULL);
-    const int per_thread = (T + nthreads - 1) / nthreads, whole_splits = L / KEY_SPLIT;
-    const int by_split = T < 2 * nthreads || (segments_of_block < nthreads &&
-                         (long)segments_of_block * num_kv_heads * whole_splits >= 2L * nthreads);
-    const int block = T < 2 * nthreads ? 1 : by_split || per_thread > ROW_BLOCK ? ROW_BLOCK : per_thread;
-    const int num_segments = count_segments(row_batch, T, block, segment_start);
-    if (by_split)
-        attend_by_split(&c, segment_start, num_segments, block, max_splits, out);
+    const att_plan plan = plan_attention(row_batch, T, L, num_kv_heads, omp_get_num_threads(), segment_start);
+    if (plan.by_split)
+        attend_by_split(&c, segment_start, plan.num_segments, plan.block, max_splits, out, prepared);
     else
-        attend_by_segment(&c, segment_start, num_segments, block, max_splits, out);
+        attend_by_segment(&c, segment_start, plan.num_segments, plan.block, max_splits, out);
     free(segment_start);
     return 0;
 }
@@ -756,7 +805,7 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
     #pragma omp parallel num_threads(nthreads)
     {
         const int s = attention_rows_team(q, q_ld, k_layer, v_layer, out, kv_indices, mask, row_batch, row_query,
-                                          T, L, Q, num_heads, num_kv_heads, head_dim, dtype, kv_dtype);
+                                          T, L, Q, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, NULL);
         #pragma omp master
         status = s;
     }
