@@ -562,7 +562,7 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
     const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
     const long panel_bytes = iq_panel_bytes(fmt, K / IQ_K);
     const long num_chunks = (M + IQ_CHUNK_ROWS - 1) / IQ_CHUNK_ROWS, items = num_chunks * num_panels;
-    const int quantize_inside = M >= 4 * omp_get_num_threads();    /* fewer rows: not worth a barrier */
+    const int quantize_inside = M >= 4 * omp_get_num_threads();    /* fewer rows: one thread quantizes them */
     iq_input a;
     int failed = 0;
     if (scratch) {              /* buffers of the caller's, for at least M rows of K */
