@@ -225,27 +225,24 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     status |= linear_forward_team(&linears[0], x_in ? x_in : x, qkv_bias, qkv, T, qkv_width, in_width, dtype,
                                   &buf->linear_input);
     #pragma omp master
-    t = profile_mark(PROF_QKV, t);
-    int prepared = 0;       /* shared through buf: the master's result, read after the barrier */
-    #pragma omp master
     {
+        t = profile_mark(PROF_QKV, t);
         rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
         write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16,
                     kv_dtype == DTYPE_BF16);
         buf->attention_ready = att_scratch_prepare(&buf->attention, row_batch, T, L, nh, nkv, hd) == 0;
         t = profile_mark(PROF_ROTARY, t);
     }
-    #pragma omp barrier
-    prepared = buf->attention_ready;
+    #pragma omp barrier      /* every thread reads the master's attention_ready after it */
     status |= attention_rows_team(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
-                                  T, L, Q, nh, nkv, hd, dtype, kv_dtype, prepared ? &buf->attention : NULL);
+                                  T, L, Q, nh, nkv, hd, dtype, kv_dtype,
+                                  buf->attention_ready ? &buf->attention : NULL);
     #pragma omp master
     t = profile_mark(PROF_ATTENTION, t);
     status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, &buf->linear_input);
     #pragma omp master
-    t = profile_mark(PROF_O, t);
-    #pragma omp master
     {
+        t = profile_mark(PROF_O, t);
         add_into(h, y, (long)T * H, is_bf16);
         rms_norm(h, norms[1], x, T, H, eps, is_bf16);
         t = profile_mark(PROF_NORM, t);
@@ -259,9 +256,8 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     t = profile_mark(PROF_SILU, t);
     status |= linear_forward_team(&linears[3], act, NULL, y, T, H, I, dtype, &buf->linear_input);
     #pragma omp master
-    t = profile_mark(PROF_DOWN, t);
-    #pragma omp master
     {
+        t = profile_mark(PROF_DOWN, t);
         add_into(h, y, (long)T * H, is_bf16);
         profile_mark(PROF_NORM, t);
     }

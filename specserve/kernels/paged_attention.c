@@ -58,6 +58,7 @@ static inline vecf v_load_row(const char *row, int d, int head_dim, int is_bf16)
     return _mm512_maskz_loadu_ps(m, (const float *)row + d);
 }
 static inline void v_store_part(float *out, vecf v, int n) { _mm512_mask_storeu_ps(out, chunk_mask(0, n), v); }
+static inline void v_store(float *out, vecf v) { _mm512_storeu_ps(out, v); }
 #else
 #define ATT_LANES 8
 #define HEADS_PER_PASS 2
@@ -69,6 +70,7 @@ static inline vecf v_fma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, 
 static inline vecf v_load_row(const char *row, int d, int head_dim, int is_bf16) {
     return d < head_dim ? load8(row + (long)d * (is_bf16 ? 2 : 4), is_bf16) : _mm256_setzero_ps();
 }
+static inline void v_store(float *out, vecf v) { _mm256_storeu_ps(out, v); }
 static inline void v_store_part(float *out, vecf v, int n) {
     if (n >= 8) {
         _mm256_storeu_ps(out, v);
@@ -156,6 +158,13 @@ static vecf score_tile(const float *q, const char *const *keys, int head_dim, in
     }
 }
 
+/* A bfloat16 K/V row widened into hd16 float32s at dst (exact, zeros past head_dim) by
+   full-vector stores: as wide as the loads that read them back, which a narrower or masked store
+   cannot forward to (256-bit stores read back by 512-bit loads slowed AVX-512 scoring 5-9%) */
+static inline void widen_row(const char *row, float *dst, int head_dim, int hd16) {
+    for (int d = 0; d < hd16; d += ATT_LANES) v_store(dst + d, v_load_row(row, d, head_dim, 1));
+}
+
 /* A tile's key rows as score_tile reads them: bfloat16 rows widened once into `widened`
    (ATT_LANES rows of hd16 floats, exact) for all the query heads that score them, instead of
    once per head (at batch 32 the per-head widening made a bfloat16 cache no faster than a
@@ -167,12 +176,7 @@ static void tile_rows(const char *const *rows, const char **out, float *widened,
             continue;
         }
         float *dst = widened + (long)i * hd16;
-#if ATT_LANES == 16     /* stores as wide as score_tile's loads, which a narrower store cannot forward to */
-        for (int d = 0; d < hd16; d += 16) _mm512_storeu_ps(dst + d, v_load_row(rows[i], d, head_dim, 1));
-#else
-        for (int d = 0; d < hd16; d += 8)
-            _mm256_storeu_ps(dst + d, d < head_dim ? load_bf16((const uint16_t *)rows[i] + d) : _mm256_setzero_ps());
-#endif
+        widen_row(rows[i], dst, head_dim, hd16);
         out[i] = (const char *)dst;
     }
 }
@@ -323,9 +327,7 @@ static void weigh_chunk(const float *const *wrow, float *const *orow, int pairs,
     for (int i = 0; i < n; i++) {
         if (i + PREFETCH_KEYS < n)
             prefetch_row(v_base + slots[l_begin + i + PREFETCH_KEYS] * slot_stride, head_dim * 2);
-        const char *row = v_base + slots[l_begin + i] * slot_stride;
-        for (int d = 0; d < hd16; d += ATT_LANES)
-            v_store_part(widened + (long)i * hd16 + d, v_load_row(row, d, head_dim, 1), ATT_LANES);
+        widen_row(v_base + slots[l_begin + i] * slot_stride, widened + (long)i * hd16, head_dim, hd16);
         rows_of_widened[i] = i;
     }
     const float *w[ROW_BLOCK * MAX_GROUP];

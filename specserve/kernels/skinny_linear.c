@@ -150,25 +150,6 @@ static int run_linear_team(const void *x, const void *w, int format, const float
     return 0;
 }
 
-/* run_linear_team in a region of its own */
-static int run_linear(const void *x, const void *w, int format, const float *bias, void *y,
-                      int M, int N, int K, int dtype, int nthreads) {
-    int status = 0;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        const int s = run_linear_team(x, w, format, bias, y, M, N, K, dtype);
-        #pragma omp master
-        status = s;
-    }
-    return status;
-}
-
-/* dtype: 0 float32, 1 bfloat16 (x, w and y share it). bias: fp32 or NULL. K % 8 == 0. */
-int skinny_linear(const void *x, const void *w, const float *bias, void *y,
-                  int M, int N, int K, int dtype, int nthreads) {
-    return run_linear(x, w, CODED_NONE, bias, y, M, N, K, dtype, nthreads);
-}
-
 /* the integer kernel where the weights have panels; else the coded weights for up to
    coded_max_rows rows, else the dense ones (the same bits); by the current team's threads
    (scratch: the integer kernel's input buffers for these rows, or NULL: its own) */
@@ -192,4 +173,12 @@ int linear_forward(const linear_weights *lw, const void *x, const float *bias, v
         status = s;
     }
     return status;
+}
+
+/* dtype: 0 float32, 1 bfloat16 (x, w and y share it). bias: fp32 or NULL. K % 8 == 0. Dense weights
+   through linear_forward. */
+int skinny_linear(const void *x, const void *w, const float *bias, void *y,
+                  int M, int N, int K, int dtype, int nthreads) {
+    const linear_weights dense = {w, NULL, 0, 0, NULL, 0, 0};
+    return linear_forward(&dense, x, bias, y, M, N, K, dtype, nthreads);
 }
