@@ -172,6 +172,19 @@ static void silu_mul_team(const void *gate_up, void *act, int T, int I, int is_b
     for (int t = 0; t < T; t++) silu_mul_rows(gate_up, act, t, t + 1, I, is_bf16);
 }
 
+/* This thread's rows [*t0, *t1) of a row-wise step over T rows: a contiguous share each where
+   there are at least 2 rows a thread (verification, prefill), else all of them on the master
+   thread (a decode step: a split would cost more than it saves). Every row's arithmetic is the
+   same whichever thread runs it. */
+static void team_rows(int T, int *t0, int *t1) {
+    const int n = omp_get_num_threads(), id = omp_get_thread_num();
+    if (n == 1 || T < 2 * n) {
+        *t0 = 0, *t1 = id == 0 ? T : 0;
+        return;
+    }
+    *t0 = (int)((long)T * id / n), *t1 = (int)((long)T * (id + 1) / n);
+}
+
 /* a layer's intermediate rows, shared by the threads of its team */
 typedef struct {
     char *x, *qkv, *attn, *y, *gate_up, *act;
@@ -202,8 +215,8 @@ static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dty
 }
 
 /* decoder_layer by the threads of the current team (every thread calls it with the same
-   arguments; one thread outside a region): the row-wise steps on one thread, the linears and
-   attention shared out, a barrier after each step. Returns the same status in every thread. */
+   arguments; one thread outside a region): the row-wise steps by rows (team_rows), the linears
+   and attention shared out, a barrier after each step. Returns the same status in every thread. */
 static int decoder_layer_team(void *h, const void *x_in, const void *const *norms, const linear_weights *linears,
                               const float *qkv_bias, float eps, const int *dims, const void *cos, const void *sin,
                               void *k_layer, void *v_layer, const int64_t *out_loc, const int64_t *kv_indices,
@@ -215,25 +228,33 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     if (H % 8 || I % 8 || q_width % 8 || hd > MAX_HEAD_DIM || (x_in == NULL && in_width != H)) return -1;
     char *x = buf->x, *qkv = buf->qkv, *attn = buf->attn, *y = buf->y, *gate_up = buf->gate_up, *act = buf->act;
     int status = 0;
+    const long row_bytes = (long)H * (is_bf16 ? 2 : 4);      /* a row of h, x or y */
+    int r0, r1;                       /* this thread's rows of the row-wise steps */
+    team_rows(T, &r0, &r1);
     double t = profile_clock();       /* the master thread's clock marks each step after its barrier */
-    #pragma omp master
-    {
-        if (x_in == NULL) rms_norm(h, norms[0], x, T, H, eps, is_bf16);
-        t = profile_mark(PROF_NORM, t);
-    }
+    if (x_in == NULL && r1 > r0)
+        rms_norm((char *)h + r0 * row_bytes, norms[0], x + r0 * row_bytes, r1 - r0, H, eps, is_bf16);
     #pragma omp barrier
+    #pragma omp master
+    t = profile_mark(PROF_NORM, t);
     status |= linear_forward_team(&linears[0], x_in ? x_in : x, qkv_bias, qkv, T, qkv_width, in_width, dtype,
                                   &buf->linear_input);
     #pragma omp master
     {
         t = profile_mark(PROF_QKV, t);
-        rotary(qkv, qkv_width, 0, nh + nkv, cos, sin, T, hd, is_bf16);
-        write_cache(qkv, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc, T, kv_width, is_bf16,
-                    kv_dtype == DTYPE_BF16);
         buf->attention_ready = att_scratch_prepare(&buf->attention, row_batch, T, L, nh, nkv, hd) == 0;
-        t = profile_mark(PROF_ROTARY, t);
+    }
+    if (r1 > r0) {
+        const long qkv_row = (long)qkv_width * (is_bf16 ? 2 : 4), angle_row = (long)hd * (is_bf16 ? 2 : 4);
+        char *rows = qkv + r0 * qkv_row;
+        rotary(rows, qkv_width, 0, nh + nkv, (const char *)cos + r0 * angle_row, (const char *)sin + r0 * angle_row,
+               r1 - r0, hd, is_bf16);
+        write_cache(rows, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc + r0, r1 - r0, kv_width,
+                    is_bf16, kv_dtype == DTYPE_BF16);
     }
     #pragma omp barrier      /* every thread reads the master's attention_ready after it */
+    #pragma omp master
+    t = profile_mark(PROF_ROTARY, t);
     status |= attention_rows_team(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
                                   T, L, Q, nh, nkv, hd, dtype, kv_dtype,
                                   buf->attention_ready ? &buf->attention : NULL);
@@ -241,13 +262,14 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     t = profile_mark(PROF_ATTENTION, t);
     status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, &buf->linear_input);
     #pragma omp master
-    {
-        t = profile_mark(PROF_O, t);
-        add_into(h, y, (long)T * H, is_bf16);
-        rms_norm(h, norms[1], x, T, H, eps, is_bf16);
-        t = profile_mark(PROF_NORM, t);
+    t = profile_mark(PROF_O, t);
+    if (r1 > r0) {
+        add_into((char *)h + r0 * row_bytes, y + r0 * row_bytes, (long)(r1 - r0) * H, is_bf16);
+        rms_norm((char *)h + r0 * row_bytes, norms[1], x + r0 * row_bytes, r1 - r0, H, eps, is_bf16);
     }
     #pragma omp barrier
+    #pragma omp master
+    t = profile_mark(PROF_NORM, t);
     status |= linear_forward_team(&linears[2], x, NULL, gate_up, T, 2 * I, H, dtype, &buf->linear_input);
     #pragma omp master
     t = profile_mark(PROF_GATE_UP, t);
@@ -256,12 +278,11 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     t = profile_mark(PROF_SILU, t);
     status |= linear_forward_team(&linears[3], act, NULL, y, T, H, I, dtype, &buf->linear_input);
     #pragma omp master
-    {
-        t = profile_mark(PROF_DOWN, t);
-        add_into(h, y, (long)T * H, is_bf16);
-        profile_mark(PROF_NORM, t);
-    }
+    t = profile_mark(PROF_DOWN, t);
+    if (r1 > r0) add_into((char *)h + r0 * row_bytes, y + r0 * row_bytes, (long)(r1 - r0) * H, is_bf16);
     #pragma omp barrier
+    #pragma omp master
+    profile_mark(PROF_NORM, t);
     return status ? -1 : 0;
 }
 
