@@ -205,9 +205,68 @@ static void iq_quantize_column(iq_input *a, const void *x, int b, long M, int is
     }
 }
 
+#if IQ_LEVEL >= 2
+#define IQ_QUANT_BATCH 16     /* blocks of a row whose scales are divided out together */
+/* 16 values of x (float32 or bfloat16) */
+static inline __m512 iq_load16(const char *p, int is_bf16) {
+    if (is_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* Row m's blocks [b0, b0 + n) (n <= IQ_QUANT_BATCH) quantized as iq_quantize_block does, lane for
+   lane (the same max, divisions, products, clamps and rounding, so the same bits): each block's
+   largest |x| first, then every block's scale and inverse by one vector division each (a block's
+   two dependent scalar divisions were most of its latency: 38 -> 20 cycles a block, 1 thread,
+   AVX-512 Xeon), then the codes. */
+static void iq_quantize_blocks(iq_input *a, const void *x, long m, int b0, int n, int is_bf16, int fmt) {
+    const int esize = is_bf16 ? 2 : 4;
+    const char *row = (const char *)x + (m * a->K + (long)b0 * IQ_K) * esize;
+    float amax[IQ_QUANT_BATCH], scale[IQ_QUANT_BATCH], inv[IQ_QUANT_BATCH];
+    for (int i = 0; i < n; i++) {
+        const char *p = row + (long)i * IQ_K * esize;
+        amax[i] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(iq_load16(p, is_bf16)),
+                                                     _mm512_abs_ps(iq_load16(p + 16 * esize, is_bf16))));
+    }
+    const __mmask16 lanes = (__mmask16)((1u << n) - 1);
+    const __m512 d = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, amax), _mm512_set1_ps(127.0f));
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ);   /* as scale != 0.0f */
+    _mm512_storeu_ps(scale, d);
+    _mm512_storeu_ps(inv, _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0f), d));
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const long first = iq_block_index(a, m, b0);
+    for (int i = 0; i < n; i++) {
+        const char *p = row + (long)i * IQ_K * esize;
+        const __m512 inv16 = _mm512_set1_ps(inv[i]);
+        const __m512i n0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(iq_load16(p, is_bf16), inv16), lo), hi));
+        const __m512i n1 = _mm512_cvtps_epi32(
+            _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(iq_load16(p + 16 * esize, is_bf16), inv16), lo), hi));
+        const long k = iq_next_block(a, first, i);
+        _mm_storeu_si128((__m128i *)(a->q + k * IQ_K), _mm512_cvtsepi32_epi8(n0));
+        _mm_storeu_si128((__m128i *)(a->q + k * IQ_K + 16), _mm512_cvtsepi32_epi8(n1));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(n0, n1));
+        a->d[k] = scale[i];
+        a->ds[k] = scale[i] * (float)sum;
+        a->start[k] = iq_start(fmt, sum);
+        a->start_lo[k] = iq_starts_at_zero(fmt) ? 0 : iq_start(fmt, _mm512_reduce_add_epi32(n0));
+    }
+}
+#endif
+
+/* blocks [b0, b1) of input rows [0, M) quantized into a */
+static void iq_quantize_range(iq_input *a, const void *x, long M, int b0, int b1, int is_bf16, int fmt) {
+#if IQ_LEVEL >= 2
+    for (long m = 0; m < M; m++)
+        for (int b = b0; b < b1; b += IQ_QUANT_BATCH)
+            iq_quantize_blocks(a, x, m, b, b1 - b < IQ_QUANT_BATCH ? b1 - b : IQ_QUANT_BATCH, is_bf16, fmt);
+#else
+    for (int b = b0; b < b1; b++) iq_quantize_column(a, x, b, M, is_bf16, fmt);
+#endif
+}
+
 static int iq_input_init(iq_input *a, const void *x, int M, int K, int is_bf16, int fmt) {
     if (iq_input_alloc(a, M, K)) return -1;
-    for (int b = 0; b < a->nb; b++) iq_quantize_column(a, x, b, M, is_bf16, fmt);
+    iq_quantize_range(a, x, M, 0, a->nb, is_bf16, fmt);
     return 0;
 }
 
@@ -580,14 +639,15 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
         #pragma omp master
         {
             double t = profile_clock();
-            for (int b = 0; b < a.nb; b++) iq_quantize_column(&a, x, b, M, is_bf16, fmt);
+            iq_quantize_range(&a, x, M, 0, a.nb, is_bf16, fmt);
             profile_mark(PROF_QUANTIZE, t);
         }
         #pragma omp barrier
     } else {
         double t = profile_clock();
-        #pragma omp for schedule(static)
-        for (int b = 0; b < a.nb; b++) iq_quantize_column(&a, x, b, M, is_bf16, fmt);
+        const int n = omp_get_num_threads(), id = omp_get_thread_num();     /* a contiguous share of blocks each */
+        iq_quantize_range(&a, x, M, (int)((long)a.nb * id / n), (int)((long)a.nb * (id + 1) / n), is_bf16, fmt);
+        #pragma omp barrier
         #pragma omp master
         profile_mark(PROF_QUANTIZE, t);    /* also inside its linear's time */
     }
