@@ -105,6 +105,28 @@ def test_new_keys_and_values_go_to_a_bfloat16_cache_rounded_as_torch_rounds():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_thread_count_does_not_change_the_layers_bits(dtype):
+    """9 rows of two requests: the row-wise steps split by rows over 2 or 3 threads (norms,
+    residual adds, rotary, the KV write) and the shared linears and attention give one thread's
+    bits, output and cache alike."""
+    layer = _layer(dtype)
+    h = torch.randn(9, CFG.hidden_size).to(dtype)
+    args = ([30, 12], [5, 4], [list(range(100, 135)), list(range(200, 216))], [130, 131, 132, 133, 134, 212, 213,
+                                                                              214, 215])
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_run(layer, h, *args))
+    finally:
+        torch.set_num_threads(threads)
+    for out, cache in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert torch.equal(cache.k, results[0][1].k) and torch.equal(cache.v, results[0][1].v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
     """Node 2 of the tree root -> {1, 2} (parents 0, 0) sees the prefix and the root, as the
     plain decode of the same token at the same position does (after the root's decode)."""
