@@ -215,10 +215,10 @@ static inline __m512 iq_load16(const char *p, int is_bf16) {
 }
 
 /* Row m's blocks [b0, b0 + n) (n <= IQ_QUANT_BATCH) quantized as iq_quantize_block does, lane for
-   lane (the same max, divisions, products, clamps and rounding, so the same bits): each block's
-   largest |x| first, then every block's scale and inverse by one vector division each (a block's
-   two dependent scalar divisions were most of its latency: 38 -> 20 cycles a block, 1 thread,
-   AVX-512 Xeon), then the codes. */
+   lane (the same max, divisions, products, clamps and rounding, so the same bits for any input
+   without NaNs): each block's largest |x| first, then every block's scale and inverse by one
+   vector division each (a block's two dependent scalar divisions were most of its latency:
+   36 -> 25-27 cycles a block, 1 thread, AVX-512 Xeon), then the codes. */
 static void iq_quantize_blocks(iq_input *a, const void *x, long m, int b0, int n, int is_bf16, int fmt) {
     const int esize = is_bf16 ? 2 : 4;
     const char *row = (const char *)x + (m * a->K + (long)b0 * IQ_K) * esize;
