@@ -119,13 +119,14 @@ static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *
 }
 
 /* h += y, rounded to the storage dtype; n % 8 == 0 */
-static void add_into(void *h, const void *y, long n, int is_bf16) {
+static void add_rows(void *out, const void *a, const void *b, long n, int is_bf16) {
     const int esize = is_bf16 ? 2 : 4;
-    for (long i = 0; i < n; i += 8) {
-        char *p = (char *)h + i * esize;
-        store8(p, _mm256_add_ps(load8(p, is_bf16), load8((const char *)y + i * esize, is_bf16)), is_bf16);
-    }
+    for (long i = 0; i < n; i += 8)
+        store8((char *)out + i * esize, _mm256_add_ps(load8((const char *)a + i * esize, is_bf16),
+                                                      load8((const char *)b + i * esize, is_bf16)), is_bf16);
 }
+
+static void add_into(void *h, const void *y, long n, int is_bf16) { add_rows(h, h, y, n, is_bf16); }
 
 /* act[t, i] = round(round(silu(gate)) * up), gate_up rows = [gate (I) | up (I)]; I % 8 == 0.
    Each element's arithmetic is the same at any vector width (exp16 = exp8 lane by lane, an
@@ -191,16 +192,38 @@ typedef struct {
     iq_input linear_input;      /* the integer linears' quantized input rows */
     att_scratch attention;      /* attention's shared partials, prepared before each call */
     int attention_ready;        /* whether attention is prepared (else it allocates its own) */
+    int num_own;                /* threads with copies of their own (few_rows_apiece), else 0: */
+    char *own_x;                /* their normed inputs, T x H each */
+    iq_input *own_inputs;       /* their linears' quantized inputs */
 } layer_buffers;
+
+/* Whether each thread of the team norms and quantizes its own copy of a step's input rows: a few
+   rows (a decode step), where that costs less than the barrier after one thread's (two barriers a
+   norm fewer, one a linear), in buffers b has for this many threads */
+static int few_rows_apiece(const layer_buffers *b, int T, int nthreads) {
+    return nthreads > 1 && T < 2 * nthreads && b->num_own >= nthreads;
+}
 
 static void layer_buffers_free(layer_buffers *b) {
     free(b->x), free(b->qkv), free(b->attn), free(b->y), free(b->gate_up), free(b->act);
     iq_input_free(&b->linear_input);
     att_scratch_free(&b->attention);
+    for (int i = 0; i < b->num_own && b->own_inputs; i++) iq_input_free(&b->own_inputs[i]);
+    free(b->own_inputs), free(b->own_x);
 }
 
-/* buffers for T rows of a layer of these dims (decoder_layer's); -1 where one could not be had */
-static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dtype) {
+/* each of nthreads threads' copies (few_rows_apiece) of T rows of H and linear inputs of K */
+static int own_buffers_alloc(layer_buffers *b, int T, int H, int K, size_t esize, int nthreads) {
+    b->num_own = nthreads, b->own_x = malloc((size_t)nthreads * T * H * esize);
+    b->own_inputs = calloc((size_t)nthreads, sizeof(iq_input));
+    int failed = !b->own_x || !b->own_inputs;
+    for (int i = 0; i < nthreads && !failed; i++) failed = iq_input_alloc(&b->own_inputs[i], T, K);
+    return failed ? -1 : 0;
+}
+
+/* buffers for T rows of a layer of these dims (decoder_layer's) and nthreads threads; -1 where one
+   could not be had */
+static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dtype, int nthreads) {
     const size_t esize = dtype == DTYPE_BF16 ? 2 : 4, H = dims[0], I = dims[4];
     const size_t q_width = (size_t)dims[1] * dims[3], qkv_width = q_width + 2 * (size_t)dims[2] * dims[3];
     size_t widest = (size_t)dims[5] > q_width ? (size_t)dims[5] : q_width;     /* the linears' widest input */
@@ -208,7 +231,11 @@ static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dty
     b->attention = (att_scratch){NULL, NULL, 0, 0};
     b->x = malloc(T * H * esize), b->qkv = malloc(T * qkv_width * esize), b->attn = malloc(T * q_width * esize);
     b->y = malloc(T * H * esize), b->gate_up = malloc(T * 2 * I * esize), b->act = malloc(T * I * esize);
-    const int inputs_failed = iq_input_alloc(&b->linear_input, T, (int)((widest + IQ_K - 1) / IQ_K * IQ_K));
+    const int K = (int)((widest + IQ_K - 1) / IQ_K * IQ_K);
+    b->num_own = 0, b->own_x = NULL, b->own_inputs = NULL;
+    int inputs_failed = iq_input_alloc(&b->linear_input, T, K);
+    if (nthreads > 1 && T < 2 * nthreads && !inputs_failed)
+        inputs_failed = own_buffers_alloc(b, T, (int)H, K, esize, nthreads);
     if (b->x && b->qkv && b->attn && b->y && b->gate_up && b->act && !inputs_failed) return 0;
     layer_buffers_free(b);
     return -1;
@@ -216,7 +243,9 @@ static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dty
 
 /* decoder_layer by the threads of the current team (every thread calls it with the same
    arguments; one thread outside a region): the row-wise steps by rows (team_rows), the linears
-   and attention shared out, a barrier after each step. Returns the same status in every thread. */
+   and attention shared out, a barrier after each step; for a few rows (few_rows_apiece) each
+   thread norms its own copy of a linear's input instead, h updated on the master once every
+   thread has read it. Returns the same status in every thread. */
 static int decoder_layer_team(void *h, const void *x_in, const void *const *norms, const linear_weights *linears,
                               const float *qkv_bias, float eps, const int *dims, const void *cos, const void *sin,
                               void *k_layer, void *v_layer, const int64_t *out_loc, const int64_t *kv_indices,
@@ -231,14 +260,21 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     const long row_bytes = (long)H * (is_bf16 ? 2 : 4);      /* a row of h, x or y */
     int r0, r1;                       /* this thread's rows of the row-wise steps */
     team_rows(T, &r0, &r1);
+    const int own = few_rows_apiece(buf, T, omp_get_num_threads());
+    char *xo = own ? buf->own_x + (long)omp_get_thread_num() * T * row_bytes : x;   /* this thread's normed rows */
+    const iq_input *in = own ? &buf->own_inputs[omp_get_thread_num()] : &buf->linear_input;
     double t = profile_clock();       /* the master thread's clock marks each step after its barrier */
-    if (x_in == NULL && r1 > r0)
-        rms_norm((char *)h + r0 * row_bytes, norms[0], x + r0 * row_bytes, r1 - r0, H, eps, is_bf16);
-    #pragma omp barrier
+    if (own && x_in == NULL) {
+        rms_norm(h, norms[0], xo, T, H, eps, is_bf16);
+    } else if (!own) {
+        if (x_in == NULL && r1 > r0)
+            rms_norm((char *)h + r0 * row_bytes, norms[0], x + r0 * row_bytes, r1 - r0, H, eps, is_bf16);
+        #pragma omp barrier
+    }
     #pragma omp master
     t = profile_mark(PROF_NORM, t);
-    status |= linear_forward_team(&linears[0], x_in ? x_in : x, qkv_bias, qkv, T, qkv_width, in_width, dtype,
-                                  &buf->linear_input);
+    status |= linear_forward_team(&linears[0], x_in ? x_in : xo, qkv_bias, qkv, T, qkv_width, in_width, dtype, in,
+                                  own);
     #pragma omp master
     {
         t = profile_mark(PROF_QKV, t);
@@ -260,23 +296,33 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
                                   buf->attention_ready ? &buf->attention : NULL);
     #pragma omp master
     t = profile_mark(PROF_ATTENTION, t);
-    status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, &buf->linear_input);
+    status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, in, own);
     #pragma omp master
     t = profile_mark(PROF_O, t);
-    if (r1 > r0) {
-        add_into((char *)h + r0 * row_bytes, y + r0 * row_bytes, (long)(r1 - r0) * H, is_bf16);
-        rms_norm((char *)h + r0 * row_bytes, norms[1], x + r0 * row_bytes, r1 - r0, H, eps, is_bf16);
+    if (own) {                        /* norm(h + y) from a copy: h is read by every thread here */
+        add_rows(xo, h, y, (long)T * H, is_bf16);
+        rms_norm(xo, norms[1], xo, T, H, eps, is_bf16);
+    } else {
+        if (r1 > r0) {
+            add_into((char *)h + r0 * row_bytes, y + r0 * row_bytes, (long)(r1 - r0) * H, is_bf16);
+            rms_norm((char *)h + r0 * row_bytes, norms[1], x + r0 * row_bytes, r1 - r0, H, eps, is_bf16);
+        }
+        #pragma omp barrier
     }
-    #pragma omp barrier
     #pragma omp master
     t = profile_mark(PROF_NORM, t);
-    status |= linear_forward_team(&linears[2], x, NULL, gate_up, T, 2 * I, H, dtype, &buf->linear_input);
+    status |= linear_forward_team(&linears[2], xo, NULL, gate_up, T, 2 * I, H, dtype, in, own);
     #pragma omp master
-    t = profile_mark(PROF_GATE_UP, t);
+    {
+        t = profile_mark(PROF_GATE_UP, t);
+        /* the copies' h + y into h: every thread has read both (the linear ended in a barrier),
+           and the down projection overwrites y only after silu's barrier */
+        if (own) add_into(h, y, (long)T * H, is_bf16);
+    }
     silu_mul_team(gate_up, act, T, I, is_bf16);
     #pragma omp master
     t = profile_mark(PROF_SILU, t);
-    status |= linear_forward_team(&linears[3], act, NULL, y, T, H, I, dtype, &buf->linear_input);
+    status |= linear_forward_team(&linears[3], act, NULL, y, T, H, I, dtype, in, own);
     #pragma omp master
     t = profile_mark(PROF_DOWN, t);
     if (r1 > r0) add_into((char *)h + r0 * row_bytes, y + r0 * row_bytes, (long)(r1 - r0) * H, is_bf16);
@@ -298,7 +344,7 @@ int decoder_layer(void *h, const void *x_in, const void *const *norms, const lin
                   const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
                   const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
     layer_buffers buf;
-    if (layer_buffers_alloc(&buf, dims, T, dtype)) return -1;
+    if (layer_buffers_alloc(&buf, dims, T, dtype, nthreads)) return -1;
     int status = 0;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -326,7 +372,7 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
                    int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
     const size_t h_bytes = (size_t)T * dims[0] * (dtype == DTYPE_BF16 ? 2 : 4);
     layer_buffers buf;
-    if (layer_buffers_alloc(&buf, dims, T, dtype)) return -1;
+    if (layer_buffers_alloc(&buf, dims, T, dtype, nthreads)) return -1;
     int status = 0;
     #pragma omp parallel num_threads(nthreads)
     {

@@ -613,9 +613,12 @@ static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long
 
 /* y = x @ W^T (+ bias) for W as panels (N rounded up to 16 rows, zero rows past N), by the
    threads of the current team: every thread of a parallel region calls it (decoder_layers runs
-   a model's layers in one region), or one thread outside any. Returns the same status in each. */
+   a model's layers in one region), or one thread outside any. scratch: buffers for the quantized
+   input (NULL: its own); own_scratch: they are this thread's alone, and each thread quantizes
+   every row into its own (a few rows: cheaper than a barrier after one thread's). Returns the
+   same status in each. */
 static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const float *bias, void *y,
-                           int M, int N, int K, int dtype, const iq_input *scratch) {
+                           int M, int N, int K, int dtype, const iq_input *scratch, int own_scratch) {
     if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_NUM_FORMATS || M < 1 || N < 1) return -1;
     if (fmt == IQ_K4 && K % 256) return -1;
     const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
@@ -635,7 +638,9 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
         }
     }
     if (failed) return -1;
-    if (!quantize_inside) {
+    if (scratch && own_scratch) {
+        iq_quantize_range(&a, x, M, 0, a.nb, is_bf16, fmt);
+    } else if (!quantize_inside) {
         #pragma omp master
         {
             double t = profile_clock();

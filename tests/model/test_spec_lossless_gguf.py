@@ -14,6 +14,7 @@ import torch
 
 from specserve.engine import Engine
 from specserve.kernels import int_codes
+from specserve.runner.model_runner import forward_on_free_slots
 
 pytestmark = pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here")
 
@@ -103,6 +104,23 @@ def test_target_as_draft_accepts_every_drafted_token(engines, prompt_ids, algo):
     drafted = engine.engine.get_server_info()["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = sum(o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1) for o in ours)
     assert drafted > 0 and round(accepted) == drafted
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 9])
+def test_thread_count_does_not_change_the_logits(engines, prompt_ids, num_tokens):
+    """A forward of 1 or 3 rows on 2 threads (each thread quantizing its own copy of the linears'
+    inputs) or of 9 (row-wise steps split by rows) gives one thread's logits, bit for bit."""
+    core = engines["plain"].engine
+    tokens = prompt_ids[0][:num_tokens]
+    threads = torch.get_num_threads()
+    logits = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            logits.append(forward_on_free_slots(core.runner, core.pool, tokens))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_greedy_lossless_with_a_bfloat16_kv_cache(default_gguf_path, prompt_ids):

@@ -104,15 +104,20 @@ def test_new_keys_and_values_go_to_a_bfloat16_cache_rounded_as_torch_rounds():
     assert torch.equal(bf16_cache.v[0, new], float_cache.v[0, new].bfloat16())
 
 
+FEW_ROWS = ([30], [1], [list(range(100, 131))], [130])                          # each thread norms its own copy
+TWO_REQUESTS = ([30, 12], [2, 1], [list(range(100, 132)), list(range(200, 213))], [130, 131, 212])
+MANY_ROWS = ([30, 12], [5, 4], [list(range(100, 135)), list(range(200, 216))],   # row-wise steps split by rows
+             [130, 131, 132, 133, 134, 212, 213, 214, 215])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_thread_count_does_not_change_the_layers_bits(dtype):
-    """9 rows of two requests: the row-wise steps split by rows over 2 or 3 threads (norms,
-    residual adds, rotary, the KV write) and the shared linears and attention give one thread's
-    bits, output and cache alike."""
+@pytest.mark.parametrize("args", [FEW_ROWS, TWO_REQUESTS, MANY_ROWS], ids=["1 row", "3 rows", "9 rows"])
+def test_thread_count_does_not_change_the_layers_bits(dtype, args):
+    """1, 3 or 9 rows on 2 or 3 threads (each thread norming its own copy of a few rows, or the
+    row-wise steps split by rows: norms, residual adds, rotary, the KV write; the linears and
+    attention shared) give one thread's bits, output and cache alike."""
     layer = _layer(dtype)
-    h = torch.randn(9, CFG.hidden_size).to(dtype)
-    args = ([30, 12], [5, 4], [list(range(100, 135)), list(range(200, 216))], [130, 131, 132, 133, 134, 212, 213,
-                                                                              214, 215])
+    h = torch.randn(sum(args[1]), CFG.hidden_size).to(dtype)
     threads = torch.get_num_threads()
     results = []
     try:
