@@ -192,7 +192,7 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
     (without decoder_layers' cos and sin, which go after the sixth)."""
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
-    layer_bytes = k_cache[0].numel() * k_cache.element_size()
+    layer_bytes = k_cache.stride(0) * k_cache.element_size()      # where layer l + 1 starts after layer l
     captured = [torch.empty_like(h) for _ in capture]
     aux_out = None
     if capture:
