@@ -173,13 +173,17 @@ static void silu_mul_team(const void *gate_up, void *act, int T, int I, int is_b
     for (int t = 0; t < T; t++) silu_mul_rows(gate_up, act, t, t + 1, I, is_bf16);
 }
 
-/* This thread's rows [*t0, *t1) of a row-wise step over T rows: a contiguous share each where
-   there are at least 2 rows a thread (verification, prefill), else all of them on the master
-   thread (a decode step: a split would cost more than it saves). Every row's arithmetic is the
-   same whichever thread runs it. */
+/* Whether T rows are too few to share out over n threads (fewer than 2 a thread: a decode step):
+   the row-wise steps then run on the master thread (team_rows), or on each thread's own copy of
+   the rows (few_rows_apiece) */
+static inline int too_few_rows(int T, int n) { return n > 1 && T < 2 * n; }
+
+/* This thread's rows [*t0, *t1) of a row-wise step over T rows: a contiguous share each, or all of
+   them on the master thread where they are too few (a split would cost more than it saves).
+   Every row's arithmetic is the same whichever thread runs it. */
 static void team_rows(int T, int *t0, int *t1) {
     const int n = omp_get_num_threads(), id = omp_get_thread_num();
-    if (n == 1 || T < 2 * n) {
+    if (too_few_rows(T, n)) {
         *t0 = 0, *t1 = id == 0 ? T : 0;
         return;
     }
@@ -201,7 +205,7 @@ typedef struct {
    rows (a decode step), where that costs less than the barrier after one thread's (two barriers a
    norm fewer, one a linear), in buffers b has for this many threads */
 static int few_rows_apiece(const layer_buffers *b, int T, int nthreads) {
-    return nthreads > 1 && T < 2 * nthreads && b->num_own >= nthreads;
+    return too_few_rows(T, nthreads) && b->num_own >= nthreads;
 }
 
 static void layer_buffers_free(layer_buffers *b) {
@@ -234,7 +238,7 @@ static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dty
     const int K = (int)((widest + IQ_K - 1) / IQ_K * IQ_K);
     b->num_own = 0, b->own_x = NULL, b->own_inputs = NULL;
     int inputs_failed = iq_input_alloc(&b->linear_input, T, K);
-    if (nthreads > 1 && T < 2 * nthreads && !inputs_failed)
+    if (too_few_rows(T, nthreads) && !inputs_failed)
         inputs_failed = own_buffers_alloc(b, T, (int)H, K, esize, nthreads);
     if (b->x && b->qkv && b->attn && b->y && b->gate_up && b->act && !inputs_failed) return 0;
     layer_buffers_free(b);
@@ -252,12 +256,12 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
                               const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
                               int T, int L, int Q, int dtype, int kv_dtype, layer_buffers *buf) {
     const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
-    const int is_bf16 = dtype == DTYPE_BF16;
+    const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
     if (H % 8 || I % 8 || q_width % 8 || hd > MAX_HEAD_DIM || (x_in == NULL && in_width != H)) return -1;
     char *x = buf->x, *qkv = buf->qkv, *attn = buf->attn, *y = buf->y, *gate_up = buf->gate_up, *act = buf->act;
     int status = 0;
-    const long row_bytes = (long)H * (is_bf16 ? 2 : 4);      /* a row of h, x or y */
+    const long row_bytes = (long)H * esize;      /* a row of h, x or y */
     int r0, r1;                       /* this thread's rows of the row-wise steps */
     team_rows(T, &r0, &r1);
     const int own = few_rows_apiece(buf, T, omp_get_num_threads());
@@ -281,7 +285,7 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
         buf->attention_ready = att_scratch_prepare(&buf->attention, row_batch, T, L, nh, nkv, hd) == 0;
     }
     if (r1 > r0) {
-        const long qkv_row = (long)qkv_width * (is_bf16 ? 2 : 4), angle_row = (long)hd * (is_bf16 ? 2 : 4);
+        const long qkv_row = (long)qkv_width * esize, angle_row = (long)hd * esize;
         char *rows = qkv + r0 * qkv_row;
         rotary(rows, qkv_width, 0, nh + nkv, (const char *)cos + r0 * angle_row, (const char *)sin + r0 * angle_row,
                r1 - r0, hd, is_bf16);
