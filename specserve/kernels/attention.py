@@ -22,10 +22,22 @@ def can_run(q: torch.Tensor, k_layer: torch.Tensor) -> bool:
             and q.shape[-1] % 8 == 0 and not needs_grad and is_available())
 
 
+def kv_strides(k_layer: torch.Tensor, v_layer: torch.Tensor) -> tuple[int, int]:
+    """(bytes from one slot to the next, from one KV head to the next) of a layer's K and V
+    [slots, kv heads, head_dim], as the C kernels take them (``kv_strides``): slot-major
+    (contiguous) or head-major (a view of [kv heads, slots, head_dim], the CPU cache's layout)
+    alike; a head's values must be contiguous and V must lie as K does."""
+    if k_layer.stride() != v_layer.stride() or k_layer.stride(-1) != 1 or k_layer.dtype != v_layer.dtype:
+        raise ValueError(f"K/V rows the kernels cannot read: strides {k_layer.stride()} and {v_layer.stride()}")
+    size = k_layer.element_size()
+    return k_layer.stride(0) * size, k_layer.stride(1) * size
+
+
 def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, kv_indices: torch.Tensor,
                     query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor,
                     library=None) -> torch.Tensor:
-    """q [T, nh, hd]; k_layer/v_layer [S, nkv, hd] (contiguous); kv_indices [B, L] int64;
+    """q [T, nh, hd]; k_layer/v_layer [S, nkv, hd] (each head's values contiguous, V laid out as K:
+    ``kv_strides``); kv_indices [B, L] int64;
     query_mask [B, Q, L] bool (True = attend); row_batch/row_query [T] int32: the request and
     query index of each row. Returns [T, nh * hd] in q's dtype (the cache may hold another one).
     ``library``: a particular kernel variant (``build.load_variant``), default the loaded one."""
@@ -35,7 +47,8 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     batch, num_queries, num_keys = query_mask.shape
     fn = _function() if library is None else build.function_of(library, "paged_attention", _ARGTYPES)
     status = fn(
-        q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(), kv_indices.data_ptr(),
+        q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), *kv_strides(k_layer, v_layer), out.data_ptr(),
+        kv_indices.data_ptr(),
         query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), num_rows, num_keys, num_queries,
         num_heads, k_layer.shape[1], head_dim, DTYPE_CODES[q.dtype], DTYPE_CODES[k_layer.dtype],
         torch.get_num_threads())
@@ -45,7 +58,7 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     return out
 
 
-_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 9
+_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 9
 
 
 @functools.cache

@@ -94,26 +94,30 @@ static void rotary(void *qkv, long ld, int first, int count, const void *cos, co
     }
 }
 
-static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *k_layer, void *v_layer,
-                        const int64_t *out_loc, int T, int kv_width, int is_bf16, int kv_bf16) {
+/* n values of a qkv row (is_bf16) into a cache row (kv_bf16), rounded as torch's .to() rounds
+   where the dtypes differ (store8 rounds as set_elem) */
+static void copy_head(char *dst, const char *src, int n, int is_bf16, int kv_bf16) {
+    if (kv_bf16 == is_bf16) {
+        memcpy(dst, src, (size_t)n * (is_bf16 ? 2 : 4));
+        return;
+    }
     const int esize = is_bf16 ? 2 : 4, kv_esize = kv_bf16 ? 2 : 4;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst + i * kv_esize, load8(src + i * esize, is_bf16), kv_bf16);
+    for (; i < n; i++) set_elem(dst, i, get_elem(src, i, is_bf16), kv_bf16);
+}
+
+/* the K and V heads of T qkv rows (ld elements apart, K at k_off, V at v_off) into the cache
+   slots out_loc, each head's hd values where kv says */
+static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *k_layer, void *v_layer, kv_strides kv,
+                        const int64_t *out_loc, int T, int nkv, int hd, int is_bf16, int kv_bf16) {
+    const int esize = is_bf16 ? 2 : 4;
     for (int t = 0; t < T; t++) {
         const char *row = (const char *)qkv + (long)t * ld * esize;
-        char *k = (char *)k_layer + out_loc[t] * kv_width * kv_esize;
-        char *v = (char *)v_layer + out_loc[t] * kv_width * kv_esize;
-        if (kv_bf16 == is_bf16) {
-            memcpy(k, row + k_off * esize, (size_t)kv_width * esize);
-            memcpy(v, row + v_off * esize, (size_t)kv_width * esize);
-            continue;
-        }
-        int i = 0;      /* the cache's dtype differs: round as torch's .to() (store8 rounds as set_elem) */
-        for (; i + 8 <= kv_width; i += 8) {
-            store8(k + i * kv_esize, load8(row + (k_off + i) * esize, is_bf16), kv_bf16);
-            store8(v + i * kv_esize, load8(row + (v_off + i) * esize, is_bf16), kv_bf16);
-        }
-        for (; i < kv_width; i++) {
-            set_elem(k, i, get_elem(row, k_off + i, is_bf16), kv_bf16);
-            set_elem(v, i, get_elem(row, v_off + i, is_bf16), kv_bf16);
+        const long slot = out_loc[t] * kv.slot;
+        for (int j = 0; j < nkv; j++) {
+            copy_head((char *)k_layer + slot + j * kv.head, row + (k_off + (long)j * hd) * esize, hd, is_bf16, kv_bf16);
+            copy_head((char *)v_layer + slot + j * kv.head, row + (v_off + (long)j * hd) * esize, hd, is_bf16, kv_bf16);
         }
     }
 }
@@ -252,9 +256,10 @@ static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dty
    thread has read it. Returns the same status in every thread. */
 static int decoder_layer_team(void *h, const void *x_in, const void *const *norms, const linear_weights *linears,
                               const float *qkv_bias, float eps, const int *dims, const void *cos, const void *sin,
-                              void *k_layer, void *v_layer, const int64_t *out_loc, const int64_t *kv_indices,
-                              const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
-                              int T, int L, int Q, int dtype, int kv_dtype, layer_buffers *buf) {
+                              void *k_layer, void *v_layer, kv_strides kv, const int64_t *out_loc,
+                              const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
+                              const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype,
+                              layer_buffers *buf) {
     const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
     const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
@@ -289,13 +294,13 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
         char *rows = qkv + r0 * qkv_row;
         rotary(rows, qkv_width, 0, nh + nkv, (const char *)cos + r0 * angle_row, (const char *)sin + r0 * angle_row,
                r1 - r0, hd, is_bf16);
-        write_cache(rows, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, out_loc + r0, r1 - r0, kv_width,
+        write_cache(rows, qkv_width, q_width, q_width + kv_width, k_layer, v_layer, kv, out_loc + r0, r1 - r0, nkv, hd,
                     is_bf16, kv_dtype == DTYPE_BF16);
     }
     #pragma omp barrier      /* every thread reads the master's attention_ready after it */
     #pragma omp master
     t = profile_mark(PROF_ROTARY, t);
-    status |= attention_rows_team(qkv, qkv_width, k_layer, v_layer, attn, kv_indices, mask, row_batch, row_query,
+    status |= attention_rows_team(qkv, qkv_width, k_layer, v_layer, kv, attn, kv_indices, mask, row_batch, row_query,
                                   T, L, Q, nh, nkv, hd, dtype, kv_dtype,
                                   buf->attention_ready ? &buf->attention : NULL);
     #pragma omp master
@@ -340,19 +345,21 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
    NULL; dims: {H, num_heads, num_kv_heads, head_dim, intermediate, qkv input width}. x_in: NULL
    (attention reads ln1(h); the input width is H), or the attention's input [T, input width]
    already formed by the caller (EAGLE-3's midlayer: [ln(embedding), ln(hidden)], 2H wide; ln1
-   unused). Attention metadata as in paged_attention (kv_dtype: the cache's dtype; new K/V are
-   rounded to it as they are written). Returns 0, or -1 for shapes it does not take. */
+   unused). K/V rows slot_stride and head_stride bytes apart (kv_strides); attention metadata as in
+   paged_attention (kv_dtype: the cache's dtype; new K/V are rounded to it as they are written).
+   Returns 0, or -1 for shapes it does not take. */
 int decoder_layer(void *h, const void *x_in, const void *const *norms, const linear_weights *linears,
                   const float *qkv_bias, float eps, const int *dims,
-                  const void *cos, const void *sin, void *k_layer, void *v_layer, const int64_t *out_loc,
-                  const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
+                  const void *cos, const void *sin, void *k_layer, void *v_layer, long slot_stride, long head_stride,
+                  const int64_t *out_loc, const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
                   const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+    const kv_strides kv = {slot_stride, head_stride};
     layer_buffers buf;
     if (layer_buffers_alloc(&buf, dims, T, dtype, nthreads)) return -1;
     int status = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        const int s = decoder_layer_team(h, x_in, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer,
+        const int s = decoder_layer_team(h, x_in, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer, kv,
                                          out_loc, kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype,
                                          &buf);
         #pragma omp master
@@ -371,9 +378,10 @@ int decoder_layer(void *h, const void *x_in, const void *const *norms, const lin
    step, each ~1 us to start on a 2-core Xeon). */
 int decoder_layers(void *h, const void *const *norms, const linear_weights *linears, const float *const *qkv_biases,
                    float eps, const int *dims, int num_layers, const void *cos, const void *sin, char *k_cache,
-                   char *v_cache, long layer_bytes, const int64_t *out_loc, const int64_t *kv_indices,
-                   const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, void *const *aux_out,
-                   int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+                   char *v_cache, long layer_bytes, long slot_stride, long head_stride, const int64_t *out_loc,
+                   const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
+                   void *const *aux_out, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+    const kv_strides kv = {slot_stride, head_stride};
     const size_t h_bytes = (size_t)T * dims[0] * (dtype == DTYPE_BF16 ? 2 : 4);
     layer_buffers buf;
     if (layer_buffers_alloc(&buf, dims, T, dtype, nthreads)) return -1;
@@ -385,7 +393,7 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
             #pragma omp master
             if (aux_out && aux_out[l]) memcpy(aux_out[l], h, h_bytes);
             s = decoder_layer_team(h, NULL, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
-                                   k_cache + l * layer_bytes, v_cache + l * layer_bytes, out_loc, kv_indices, mask,
+                                   k_cache + l * layer_bytes, v_cache + l * layer_bytes, kv, out_loc, kv_indices, mask,
                                    row_batch, row_query, T, L, Q, dtype, kv_dtype, &buf);
         }
         #pragma omp master
@@ -424,16 +432,17 @@ int model_stack(const int64_t *ids, const void *embedding, long vocab, const int
                 const float *cos_table, const float *sin_table, long num_positions, const void *final_norm,
                 float final_eps, void *out, void *h, const void *const *norms, const linear_weights *linears,
                 const float *const *qkv_biases, float eps, const int *dims, int num_layers, char *k_cache,
-                char *v_cache, long layer_bytes, const int64_t *out_loc, const int64_t *kv_indices,
-                const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query, void *const *aux_out,
-                int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+                char *v_cache, long layer_bytes, long slot_stride, long head_stride, const int64_t *out_loc,
+                const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
+                void *const *aux_out, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
     const int H = dims[0], hd = dims[3], is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     char *cos = malloc((size_t)T * hd * esize), *sin = malloc((size_t)T * hd * esize);
     int status = gather_ends(ids, embedding, vocab, positions, cos_table, sin_table, num_positions, T, H, hd, is_bf16,
                              h, cos, sin);
     if (status == 0)
         status = decoder_layers(h, norms, linears, qkv_biases, eps, dims, num_layers, cos, sin, k_cache, v_cache,
-                                layer_bytes, out_loc, kv_indices, mask, row_batch, row_query, aux_out, T, L, Q,
+                                layer_bytes, slot_stride, head_stride, out_loc, kv_indices, mask, row_batch, row_query,
+                                aux_out, T, L, Q,
                                 dtype, kv_dtype, nthreads);
     if (status == 0 && final_norm) rms_norm(h, final_norm, out, T, H, final_eps, is_bf16);
     free(cos), free(sin);
@@ -450,9 +459,10 @@ int eagle3_head(const int64_t *ids, const void *embedding, long vocab, const int
                 const float *cos_table, const float *sin_table, long num_positions, const linear_weights *fc,
                 const void *features, int F, const void *in_norm, float in_eps, const void *hidden_norm,
                 float hidden_eps, void *h, const void *const *norms, const linear_weights *linears,
-                const float *qkv_bias, float eps, const int *dims, void *k_layer, void *v_layer,
-                const int64_t *out_loc, const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
-                const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+                const float *qkv_bias, float eps, const int *dims, void *k_layer, void *v_layer, long slot_stride,
+                long head_stride, const int64_t *out_loc, const int64_t *kv_indices, const uint8_t *mask,
+                const int32_t *row_batch, const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype,
+                int nthreads) {
     const int H = dims[0], hd = dims[3], is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     if (H % 8 || dims[5] != 2 * H || (!fc && F != H)) return -1;
     char *embeds = malloc((size_t)T * H * esize), *x = malloc((size_t)T * 2 * H * esize);
@@ -464,8 +474,8 @@ int eagle3_head(const int64_t *ids, const void *embedding, long vocab, const int
     if (status == 0) {
         rms_norm_rows(embeds, in_norm, x, 2 * H, T, H, in_eps, dtype);                 /* the left half */
         rms_norm_rows(h, hidden_norm, x + (long)H * esize, 2 * H, T, H, hidden_eps, dtype);   /* the right */
-        status = decoder_layer(h, x, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer, out_loc,
-                               kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads);
+        status = decoder_layer(h, x, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer, slot_stride,
+                               head_stride, out_loc, kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads);
     }
     free(embeds), free(x), free(cos), free(sin);
     return status;

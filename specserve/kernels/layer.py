@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels import build
+from specserve.kernels.attention import kv_strides
 from specserve.kernels.build import DTYPE_CODES
 from specserve.kernels.skinny import LinearWeights
 
@@ -77,7 +78,8 @@ def _cache_arguments(h: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tens
     rows ``h``, as decoder_layer.c's one-layer functions take them."""
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
-    return (k_layer.data_ptr(), v_layer.data_ptr(), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
+    return (k_layer.data_ptr(), v_layer.data_ptr(), *kv_strides(k_layer, v_layer),
+            out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(),
             query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), h.shape[0], num_keys, num_queries,
             DTYPE_CODES[h.dtype], DTYPE_CODES[k_layer.dtype], torch.get_num_threads())
 
@@ -107,7 +109,7 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
                    query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor,
                    capture: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """``decoder_layer`` for every layer of the stack in turn; k_cache/v_cache [layers, S, kv heads,
-    head_dim] contiguous. Returns the inputs of the layers in ``capture`` (ascending), copies of h."""
+    head_dim], each layer's as ``attention.kv_strides`` takes it. Returns the inputs of the layers in ``capture`` (ascending), copies of h."""
     captured, tail = _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch,
                                       row_query, capture)
     status = _stack_function()(h.data_ptr(), *tail[:6], cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
@@ -193,6 +195,8 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
     kv_indices, query_mask = kv_indices.contiguous(), query_mask.contiguous()
     batch, num_queries, num_keys = query_mask.shape
     layer_bytes = k_cache.stride(0) * k_cache.element_size()      # where layer l + 1 starts after layer l
+    if v_cache.stride(0) != k_cache.stride(0):
+        raise ValueError("the K and V caches' layers lie differently")
     captured = [torch.empty_like(h) for _ in capture]
     aux_out = None
     if capture:
@@ -202,7 +206,7 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
     return captured, (
         ctypes.addressof(stack.norms), ctypes.addressof(stack.linears), ctypes.addressof(stack.qkv_biases),
         stack.eps, ctypes.addressof(stack.dims), len(stack.layers), k_cache.data_ptr(), v_cache.data_ptr(),
-        layer_bytes, out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(), query_mask.data_ptr(),
+        layer_bytes, *kv_strides(k_cache[0], v_cache[0]), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(), query_mask.data_ptr(),
         row_batch.data_ptr(), row_query.data_ptr(), aux_out, h.shape[0], num_keys, num_queries,
         DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
 
@@ -254,18 +258,20 @@ def _eagle3_function():
                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
                                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-                          + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6)
+                          + _CACHE_ARGUMENTS)
 
 
 # decoder_layers' arguments before cos and sin (h .. num_layers) and after them (k_cache ..)
 _STACK_HEAD = [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-_STACK_TAIL = [ctypes.c_void_p] * 2 + [ctypes.c_long] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
+_STACK_TAIL = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
+# _cache_arguments' types: K and V, their kv_strides, the metadata, rows, sizes, dtypes, threads
+_CACHE_ARGUMENTS = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
 
 
 @functools.cache
 def _function():
-    return build.function("decoder_layer", [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 10
-                          + [ctypes.c_int] * 6)
+    return build.function("decoder_layer", [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 3
+                          + _CACHE_ARGUMENTS)
 
 
 PROFILE_OPS = ("norms + adds", "qkv", "rotary + kv write", "attention", "o_proj", "gate_up", "silu", "down",

@@ -469,10 +469,17 @@ static int shared_keys(const row_scratch *s, int rows) {
     return n / ATT_LANES * ATT_LANES;
 }
 
+/* Where a layer's K (and V) rows are: bytes from one slot to the next and from one KV head to the
+   next, a head's head_dim values contiguous. [slots, heads, head_dim] (slot-major) or [heads,
+   slots, head_dim] (head-major: a head's keys one stream, what the CPU's KV cache holds) alike. */
+typedef struct {
+    long slot, head;
+} kv_strides;
+
 /* The shape of one attention_rows call */
 typedef struct {
     const void *q, *k_layer, *v_layer;
-    long q_ld, slot_stride;
+    long q_ld, slot_stride, head_stride;
     const int64_t *kv_indices;
     const uint8_t *mask;
     const int32_t *row_batch, *row_query;
@@ -511,8 +518,8 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
     const int group = c->group, head_dim = c->head_dim, hd16 = c->hd16, is_bf16 = c->is_bf16, esize = is_bf16 ? 2 : 4;
     const int k0 = split * KEY_SPLIT;
     const long q0 = (long)h * group * hd16;          /* this KV head's query heads in qf */
-    const char *k_base = (const char *)c->k_layer + (long)h * head_dim * esize;
-    const char *v_base = (const char *)c->v_layer + (long)h * head_dim * esize;
+    const char *k_base = (const char *)c->k_layer + h * c->head_stride;
+    const char *v_base = (const char *)c->v_layer + h * c->head_stride;
     const long stride = c->slot_stride;
     int count[ROW_BLOCK];                    /* keys of each row in this split */
     for (int r = 0; r < rows; r++) {
@@ -773,8 +780,8 @@ static void attend_by_segment(const att_call *c, const int *segment_start, int n
     }
 }
 
-/* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer
-   [num_slots, num_kv_heads, head_dim]; kv_indices [B, L] int64; mask [B, Q, L] bool;
+/* q: T rows of num_heads * head_dim (row stride q_ld elements); k_layer/v_layer a layer's K/V,
+   its rows where kv says (kv_strides); kv_indices [B, L] int64; mask [B, Q, L] bool;
    row_batch/row_query [T] int32; out [T, num_heads * head_dim]. dtype (q and out) and kv_dtype
    (K/V, the cache's `--kv-cache-dtype`): 0 float32, 1 bfloat16. Returns 0, or -1 for shapes it
    does not take.
@@ -782,15 +789,16 @@ static void attend_by_segment(const att_call *c, const int *segment_start, int n
    go as tasks of a segment of rows, one KV head and one key split each, merged after;
    otherwise a task is a segment of consecutive rows of one request with all its heads and
    splits. */
-static int attention_rows_team(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
+static int attention_rows_team(const void *q, long q_ld, const void *k_layer, const void *v_layer, kv_strides kv,
+                               void *out,
                                const int64_t *kv_indices, const uint8_t *mask,
                                const int32_t *row_batch, const int32_t *row_query,
                                int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
                                int dtype, int kv_dtype, const att_scratch *prepared) {
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
-    const int is_bf16 = kv_dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
-    const att_call c = {q, k_layer, v_layer, q_ld, (long)num_kv_heads * head_dim * esize, kv_indices, mask,
+    const int is_bf16 = kv_dtype == DTYPE_BF16;
+    const att_call c = {q, k_layer, v_layer, q_ld, kv.slot, kv.head, kv_indices, mask,
                         row_batch, row_query, L, Q, num_heads, num_kv_heads, group, head_dim,
                         (head_dim + 15) / 16 * 16, dtype == DTYPE_BF16, is_bf16};
     const int max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
@@ -805,7 +813,7 @@ static int attention_rows_team(const void *q, long q_ld, const void *k_layer, co
 }
 
 /* attention_rows_team in a region of its own */
-int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, void *out,
+int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_layer, kv_strides kv, void *out,
                    const int64_t *kv_indices, const uint8_t *mask,
                    const int32_t *row_batch, const int32_t *row_query,
                    int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
@@ -813,7 +821,7 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
     int status = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        const int s = attention_rows_team(q, q_ld, k_layer, v_layer, out, kv_indices, mask, row_batch, row_query,
+        const int s = attention_rows_team(q, q_ld, k_layer, v_layer, kv, out, kv_indices, mask, row_batch, row_query,
                                           T, L, Q, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, NULL);
         #pragma omp master
         status = s;
@@ -821,12 +829,15 @@ int attention_rows(const void *q, long q_ld, const void *k_layer, const void *v_
     return status;
 }
 
-/* q [T, num_heads, head_dim] contiguous; see attention_rows */
-int paged_attention(const void *q, const void *k_layer, const void *v_layer, void *out,
+/* q [T, num_heads, head_dim] contiguous; K/V rows slot_stride and head_stride bytes apart
+   (kv_strides); see attention_rows */
+int paged_attention(const void *q, const void *k_layer, const void *v_layer, long slot_stride, long head_stride,
+                    void *out,
                     const int64_t *kv_indices, const uint8_t *mask,
                     const int32_t *row_batch, const int32_t *row_query,
                     int T, int L, int Q, int num_heads, int num_kv_heads, int head_dim,
                     int dtype, int kv_dtype, int nthreads) {
-    return attention_rows(q, (long)num_heads * head_dim, k_layer, v_layer, out, kv_indices, mask, row_batch,
+    const kv_strides kv = {slot_stride, head_stride};
+    return attention_rows(q, (long)num_heads * head_dim, k_layer, v_layer, kv, out, kv_indices, mask, row_batch,
                           row_query, T, L, Q, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, nthreads);
 }

@@ -110,6 +110,29 @@ MANY_ROWS = ([30, 12], [5, 4], [list(range(100, 135)), list(range(200, 216))],  
              [130, 131, 132, 133, 134, 212, 213, 214, 215])
 
 
+def _slot_major(cache: KVCache) -> KVCache:
+    """A copy of ``cache`` laid out [layers, slots, kv heads, head_dim], contiguous."""
+    copy = KVCache(1, 1, 1, 1, cache.k.dtype, "cpu")
+    copy.k, copy.v, copy.num_slots = cache.k.contiguous(), cache.v.contiguous(), cache.num_slots
+    return copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_layer_reads_and_writes_either_kv_layout_alike(dtype):
+    """The CPU cache is head-major (each KV head's slots one stream); the kernels take a cache's
+    strides, so a slot-major one gives the same output and the same K/V at every slot."""
+    cache = _cache(dtype)
+    assert cache.k[0].stride(1) == cache.num_slots * CFG.head_dim      # head-major
+    slot_major = _slot_major(cache)
+    assert slot_major.k[0].is_contiguous()
+    layer = _layer(dtype)
+    h = torch.randn(9, CFG.hidden_size).to(dtype)
+    head_out, head_cache = _run(layer, h, *MANY_ROWS, cache=cache)
+    slot_out, slot_cache = _run(layer, h, *MANY_ROWS, cache=slot_major)
+    assert torch.equal(head_out, slot_out)
+    assert torch.equal(head_cache.k, slot_cache.k) and torch.equal(head_cache.v, slot_cache.v)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("args", [FEW_ROWS, TWO_REQUESTS, MANY_ROWS], ids=["1 row", "3 rows", "9 rows"])
 def test_thread_count_does_not_change_the_layers_bits(dtype, args):
