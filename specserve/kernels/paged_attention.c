@@ -622,8 +622,7 @@ static void merge_rows(const att_call *c, int t0, int rows, int h, const float *
 }
 
 /* rows t0 .. t0 + rows - 1 (one request) against every KV head, split by split (the heads of a
-   split in turn: they share the K/V rows' cache lines), merged. part: rows * num_kv_heads *
-   max_splits partials of scratch. */
+   split in turn), merged. part: rows * num_kv_heads * max_splits partials of scratch. */
 static void attend_segment(const att_call *c, int t0, int rows, void *out, row_scratch *s, float *part,
                            int max_splits) {
     const int shared = gather_rows(c, t0, rows, s);
@@ -713,8 +712,8 @@ static int att_scratch_prepare(att_scratch *s, const int32_t *row_batch, int T, 
 
 static void att_scratch_free(att_scratch *s) { free(s->part), free(s->splits_done); }
 
-/* tasks of one segment, KV head and split (splits outermost: the threads work on the same K/V
-   rows at the same time); the task that finishes a (segment, head)'s last split merges its rows
+/* tasks of one segment, KV head and split (splits outermost: the threads work on the same slots
+   at the same time, each on a head of its own); the task that finishes a (segment, head)'s last split merges its rows
    (a counter per pair, acquire-release: it sees every other split's partials; no barrier) */
 static void attend_by_split(const att_call *c, const int *segment_start, int num_segments, int block,
                             int max_splits, void *out, const att_scratch *prepared) {
