@@ -475,7 +475,8 @@ int eagle3_head(const int64_t *ids, const void *embedding, long vocab, const int
         rms_norm_rows(embeds, in_norm, x, 2 * H, T, H, in_eps, dtype);                 /* the left half */
         rms_norm_rows(h, hidden_norm, x + (long)H * esize, 2 * H, T, H, hidden_eps, dtype);   /* the right */
         status = decoder_layer(h, x, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer, slot_stride,
-                               head_stride, out_loc, kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype, nthreads);
+                               head_stride, out_loc, kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype,
+                               nthreads);
     }
     free(embeds), free(x), free(cos), free(sin);
     return status;

@@ -109,7 +109,8 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
                    query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor,
                    capture: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """``decoder_layer`` for every layer of the stack in turn; k_cache/v_cache [layers, S, kv heads,
-    head_dim], each layer's as ``attention.kv_strides`` takes it. Returns the inputs of the layers in ``capture`` (ascending), copies of h."""
+    head_dim], each layer's as ``attention.kv_strides`` takes it. Returns the inputs of the layers
+    in ``capture`` (ascending), copies of h."""
     captured, tail = _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch,
                                       row_query, capture)
     status = _stack_function()(h.data_ptr(), *tail[:6], cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
@@ -206,9 +207,9 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
     return captured, (
         ctypes.addressof(stack.norms), ctypes.addressof(stack.linears), ctypes.addressof(stack.qkv_biases),
         stack.eps, ctypes.addressof(stack.dims), len(stack.layers), k_cache.data_ptr(), v_cache.data_ptr(),
-        layer_bytes, *kv_strides(k_cache[0], v_cache[0]), out_cache_loc.contiguous().data_ptr(), kv_indices.data_ptr(), query_mask.data_ptr(),
-        row_batch.data_ptr(), row_query.data_ptr(), aux_out, h.shape[0], num_keys, num_queries,
-        DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
+        layer_bytes, *kv_strides(k_cache[0], v_cache[0]), out_cache_loc.contiguous().data_ptr(),
+        kv_indices.data_ptr(), query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), aux_out,
+        h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

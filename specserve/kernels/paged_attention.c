@@ -713,8 +713,9 @@ static int att_scratch_prepare(att_scratch *s, const int32_t *row_batch, int T, 
 static void att_scratch_free(att_scratch *s) { free(s->part), free(s->splits_done); }
 
 /* tasks of one segment, KV head and split (splits outermost: the threads work on the same slots
-   at the same time, each on a head of its own); the task that finishes a (segment, head)'s last split merges its rows
-   (a counter per pair, acquire-release: it sees every other split's partials; no barrier) */
+   at the same time, each on a head of its own); the task that finishes a (segment, head)'s last
+   split merges its rows (a counter per pair, acquire-release: it sees every other split's
+   partials; no barrier) */
 static void attend_by_split(const att_call *c, const int *segment_start, int num_segments, int block,
                             int max_splits, void *out, const att_scratch *prepared) {
     const long pf = partial_floats(c->group, c->head_dim), per_split = (long)block * pf;
