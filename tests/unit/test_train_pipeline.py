@@ -17,7 +17,7 @@ from specserve.runner.model_runner import build_model
 from specserve.train import cli
 from specserve.train.capture import CaptureConfig, capture, from_storage, list_shards
 from specserve.train.export import export_head
-from specserve.train.train_head import HeadTrainer, TrainConfig, best_checkpoint, target_parts_from
+from specserve.train.train_head import HeadTrainer, TrainConfig, best_checkpoint, latest_checkpoint, target_parts_from
 from tests.model.tiny_llama import random_weights, tiny_config, write_tiny_model
 
 NUM_LAYERS = 8
@@ -317,6 +317,10 @@ def test_cli_runs_every_stage(tiny, answers, tmp_path, capsys):
                      "--init-from", str(out)]) == 0
     vocab = torch.load(work / "train_EAGLE3" / "draft_vocab.pt", weights_only=True)
     assert sorted(torch.load(warm / "train_EAGLE3" / "draft_vocab.pt", weights_only=True)) == sorted(vocab)
+    # without --lr, a fresh head trains at FRESH_LR and a warm start at the smaller WARM_START_LR
+    configs = [torch.load(latest_checkpoint(run / "train_EAGLE3"), weights_only=False)["config"]
+               for run in (work, warm)]
+    assert [c["lr"] for c in configs] == [cli.FRESH_LR, cli.WARM_START_LR] and cli.WARM_START_LR < cli.FRESH_LR
 
 
 @pytest.mark.parametrize("argv, flag", [
