@@ -442,8 +442,7 @@ int model_stack(const int64_t *ids, const void *embedding, long vocab, const int
     if (status == 0)
         status = decoder_layers(h, norms, linears, qkv_biases, eps, dims, num_layers, cos, sin, k_cache, v_cache,
                                 layer_bytes, slot_stride, head_stride, out_loc, kv_indices, mask, row_batch, row_query,
-                                aux_out, T, L, Q,
-                                dtype, kv_dtype, nthreads);
+                                aux_out, T, L, Q, dtype, kv_dtype, nthreads);
     if (status == 0 && final_norm) rms_norm(h, final_norm, out, T, H, final_eps, is_bf16);
     free(cos), free(sin);
     return status;

@@ -479,7 +479,8 @@ typedef struct {
 /* The shape of one attention_rows call */
 typedef struct {
     const void *q, *k_layer, *v_layer;
-    long q_ld, slot_stride, head_stride;
+    long q_ld;
+    kv_strides kv;
     const int64_t *kv_indices;
     const uint8_t *mask;
     const int32_t *row_batch, *row_query;
@@ -518,9 +519,9 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
     const int group = c->group, head_dim = c->head_dim, hd16 = c->hd16, is_bf16 = c->is_bf16, esize = is_bf16 ? 2 : 4;
     const int k0 = split * KEY_SPLIT;
     const long q0 = (long)h * group * hd16;          /* this KV head's query heads in qf */
-    const char *k_base = (const char *)c->k_layer + h * c->head_stride;
-    const char *v_base = (const char *)c->v_layer + h * c->head_stride;
-    const long stride = c->slot_stride;
+    const char *k_base = (const char *)c->k_layer + h * c->kv.head;
+    const char *v_base = (const char *)c->v_layer + h * c->kv.head;
+    const long stride = c->kv.slot;
     int count[ROW_BLOCK];                    /* keys of each row in this split */
     for (int r = 0; r < rows; r++) {
         const int n = s[r].num_keys - k0;
@@ -798,7 +799,7 @@ static int attention_rows_team(const void *q, long q_ld, const void *k_layer, co
     const int group = num_heads / num_kv_heads;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || group > MAX_GROUP) return -1;
     const int is_bf16 = kv_dtype == DTYPE_BF16;
-    const att_call c = {q, k_layer, v_layer, q_ld, kv.slot, kv.head, kv_indices, mask,
+    const att_call c = {q, k_layer, v_layer, q_ld, kv, kv_indices, mask,
                         row_batch, row_query, L, Q, num_heads, num_kv_heads, group, head_dim,
                         (head_dim + 15) / 16 * 16, dtype == DTYPE_BF16, is_bf16};
     const int max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
