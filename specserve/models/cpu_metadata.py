@@ -23,8 +23,12 @@ def build_cpu_metadata(prefix_lens: list[int], extend_lens: list[int], table: np
     """``attention.build_metadata`` for the native kernel: ``table`` [rows, width] int64 holds
     each row's slots in token order, ``rows`` the table row of each request."""
     prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
-    if pad_slot is not None and all(n == 1 for n in extend_lens) and all(m is None for m in tree_masks):
-        return _decode_metadata(prefix + 1, table, rows, out_cache_loc, num_kv_groups, pad_slot)
+    if pad_slot is not None and all(m is None for m in tree_masks):
+        if all(n == 1 for n in extend_lens):
+            return _decode_metadata(prefix + 1, table, rows, out_cache_loc, num_kv_groups, pad_slot)
+        if len(rows) == 1 and extend_lens[0] <= ROW_INVARIANT_MAX_QUERY:
+            return _one_request_metadata(prefix_lens[0], extend_lens[0], table, rows[0], out_cache_loc,
+                                         num_kv_groups, pad_slot)
     total = prefix + extend
     max_q, max_len = int(extend.max()), int(total.max())
     row_invariant = pad_slot is not None and max_q <= ROW_INVARIANT_MAX_QUERY
@@ -59,6 +63,20 @@ def _decode_metadata(total: np.ndarray, table: np.ndarray, rows: list[int], out_
     return AttentionMetadata(out_cache_loc, torch.from_numpy(kv_indices), None, None, None, len(rows), 1, True,
                              query_mask=torch.from_numpy(query_mask), row_batch=torch.from_numpy(row_batch),
                              row_query=torch.from_numpy(np.zeros(len(rows), dtype=np.int32)),
+                             num_kv_groups=num_kv_groups)
+
+
+def _one_request_metadata(prefix: int, num_new: int, table: np.ndarray, row: int, out_cache_loc: torch.Tensor,
+                          num_kv_groups: int, pad_slot: int) -> AttentionMetadata:
+    """The general path's metadata for one request's causal row-invariant forward (a chain's
+    verification, an EAGLE head's catch-up), with Python ints where it takes arrays of one."""
+    total = prefix + num_new
+    kv_indices, num_keys = _padded_key_slots(table, [row], np.array([total]), pad_slot, total)
+    query_mask = (np.arange(num_keys)[None, :] <= np.arange(prefix, total)[:, None])[None]     # [1, Q, L]
+    return AttentionMetadata(out_cache_loc, torch.from_numpy(kv_indices), None, None, None, 1, num_new, True,
+                             query_mask=torch.from_numpy(query_mask),
+                             row_batch=torch.from_numpy(np.zeros(num_new, dtype=np.int32)),
+                             row_query=torch.from_numpy(np.arange(num_new, dtype=np.int32)),
                              num_kv_groups=num_kv_groups)
 
 

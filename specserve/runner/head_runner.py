@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.runner.model_runner import ExtendSpec, ModelRunner
+from specserve.runner.model_runner import ExtendSpec, ModelRunner, in_inference_mode
 
 
 class HeadRunner(ModelRunner):
@@ -18,7 +18,7 @@ class HeadRunner(ModelRunner):
         self.model = head
         self._init_slots(num_kv_slots, 1, max_rows, max_row_len)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def forward(self, specs: list[ExtendSpec], hidden: torch.Tensor):          # type: ignore[override]
         """hidden: [T, F] for the new tokens in spec order. Returns (output hidden, draft-vocab
         logits) of the logit rows (the last ``num_logits`` tokens of each spec)."""

@@ -26,6 +26,7 @@ from specserve.core import TokenResult
 from specserve.models.packed_linear import INTEGER_QUANTIZATION, Q8_ON_LOAD_QUANTIZATION
 from specserve.speculative import target_verify as tv
 from specserve.speculative.params import SpecParams
+from specserve.runner.model_runner import in_inference_mode
 from specserve.speculative.policy import CostCurve, SpecPolicy, measure_cost_curve
 from specserve.speculative.state import RequestSpecState, spec_state, tail_ids  # noqa: F401 (re-export)
 from specserve.speculative.tree import DraftTree, root_only, truncate_tree
@@ -210,6 +211,7 @@ class SpecWorker:
     def on_prefill(self, engine, batch) -> None:
         self.proposer.on_prefill(engine, batch.items)
 
+    @in_inference_mode
     def decode_step(self, engine, batch) -> dict[str, TokenResult]:
         items = batch.items
         start = time.perf_counter()

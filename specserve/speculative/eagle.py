@@ -59,6 +59,7 @@ class EagleProposer(MirroredDraftProposer):
         ids = torch.arange(self.head.draft_vocab_size, device=target.device)
         mapped = self.head.draft_to_target(ids)
         self.token_map = None if torch.equal(mapped, ids) else mapped
+        self.target_ids = None if self.token_map is None else self.token_map.tolist()   # chains map on the host
 
     # ---- target features ----------------------------------------------------------
     def on_prefill(self, engine, items: list) -> None:
@@ -106,22 +107,22 @@ class EagleProposer(MirroredDraftProposer):
         hidden, paths = root_hidden, [[[]] for _ in items]
         steps = self.draft_steps(max(max_nodes))
         for step in range(1, steps):
-            tokens = [[t] for t in chain[-1].tolist()]
+            tokens = [[t] for t in chain[-1]]
             out, logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
             chain.append(self._draft_ids(logits))
             hidden = out
             paths = [[path[0] + [self._scratch(b, step, 0)]] for b, path in enumerate(paths)]
         length = min(self.params.num_draft_tokens - 1, steps)
-        drafted = list(zip(*(ids.tolist() for ids in chain[:length])))              # [bs][length]
+        drafted = list(zip(*chain[:length]))                                        # [bs][length]
         for item in items:
             self._mark(item.new_slots, False)          # the target writes tree nodes there
         return [chain_tree([tail_ids(item.req, 1)[0], *drafted[b]][:cap])
                 for b, (item, cap) in enumerate(zip(items, max_nodes))]
 
-    def _draft_ids(self, logits: Tensor) -> Tensor:
-        """[bs] target ids of each row's most likely draft token."""
-        ids = argmax_rows(logits)
-        return ids if self.token_map is None else self.token_map.index_select(0, ids)
+    def _draft_ids(self, logits: Tensor) -> list[int]:
+        """The target id of each row's most likely draft token."""
+        ids = argmax_rows(logits).tolist()
+        return ids if self.target_ids is None else [self.target_ids[i] for i in ids]
 
     def _catch_up(self, engine, items: list) -> tuple[Tensor, Tensor]:
         """Extend every request's draft over its pending entries. Returns (output hidden, logits)

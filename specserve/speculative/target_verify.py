@@ -47,7 +47,7 @@ def _verify_spec(engine, item, tree: DraftTree) -> ExtendSpec:
         positions = (depths(tree.parents) + prefix).tolist()
         mask = tree_mask(tree.parents)
     return ExtendSpec(row=engine.scheduler.row_of[req.rid], prefix_len=prefix,
-                      token_ids=tree.draft_tokens.tolist(), new_slots=item.new_slots[:n],
+                      token_ids=tree.token_list(), new_slots=item.new_slots[:n],
                       positions=positions, tree_mask=mask, num_logits=n)
 
 
@@ -89,9 +89,11 @@ def accept_trees(engine, items: list, trees: list[DraftTree], logits: Tensor,
     if groups["greedy"]:
         idx = groups["greedy"]
         rows, reqs, counts, drafts = _group(items, trees, idx, logits, offsets)
-        targets = torch.split(sample_requests(rows, vocab, reqs, counts, drafts).cpu(), counts)
-        for i, target in zip(idx, targets):
-            results[i] = greedy_accept(trees[i], target)
+        targets = sample_requests(rows, vocab, reqs, counts, drafts).tolist()
+        start = 0
+        for i, count in zip(idx, counts):
+            results[i] = greedy_accept(trees[i], targets[start:start + count])
+            start += count
     if groups["root"]:
         idx = groups["root"]
         rows, reqs, counts, drafts = _group(items, trees, idx, logits, offsets)

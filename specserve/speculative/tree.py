@@ -87,6 +87,10 @@ class DraftTree:
         """True for a width-1 tree (node i's parent is i - 1); the root-only tree is a chain."""
         return self.parents.tolist() == list(range(-1, self.num_nodes - 1))
 
+    def token_list(self) -> list[int]:
+        """``draft_tokens`` as a list of ints."""
+        return self.draft_tokens.tolist()
+
     @classmethod
     def from_lists(cls, draft_tokens: Sequence[int], parents: Sequence[int],
                    draft_probs: Tensor | None = None,
@@ -124,6 +128,8 @@ def _validate(tree: DraftTree) -> list[int]:
 
 def chain(tokens: Sequence[int] | Tensor, draft_probs: Tensor | None = None) -> DraftTree:
     """Width-1 tree: ``tokens[0]`` is the root, ``tokens[i]`` the i-th drafted token."""
+    if isinstance(tokens, list) and tokens and draft_probs is None:
+        return _ChainTree(tokens)
     draft_tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)  # [n]
     parents = torch.arange(-1, draft_tokens.shape[0] - 1, dtype=torch.int64)  # [n]
     return DraftTree(draft_tokens, parents, draft_probs)
@@ -161,6 +167,52 @@ class _RootOnlyTree(DraftTree):
     @property
     def root_token(self) -> int:
         return self._root
+
+    @property
+    def is_chain(self) -> bool:
+        return True
+
+    def token_list(self) -> list[int]:
+        return [self._root]
+
+
+class _ChainTree(DraftTree):
+    """``chain``'s tree of a list of ids without draft probabilities (an EAGLE chain, every step
+    of every drafting request): valid by construction, its tensors made on first read. The
+    verifier and the engine read its tokens as a list (``token_list``); building and validating
+    the tensors took ~30 us a step."""
+
+    def __init__(self, tokens: list[int]) -> None:       # no dataclass __init__: nothing to validate
+        self._ids, self._tokens, self._parents = [int(t) for t in tokens], None, None
+        self._depth = len(self._ids) - 1
+        self.draft_probs, self.is_sampled_with_replacement = None, False
+
+    @property
+    def draft_tokens(self) -> Tensor:
+        if self._tokens is None:
+            self._tokens = torch.from_numpy(np.array(self._ids, dtype=np.int64))
+        return self._tokens
+
+    @property
+    def parents(self) -> Tensor:
+        if self._parents is None:
+            self._parents = torch.arange(-1, len(self._ids) - 1, dtype=torch.int64)
+        return self._parents
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._ids)
+
+    @property
+    def root_token(self) -> int:
+        return self._ids[0]
+
+    @property
+    def is_chain(self) -> bool:
+        return True
+
+    def token_list(self) -> list[int]:
+        return list(self._ids)
 
 
 # ---- structure ------------------------------------------------------------------
@@ -283,6 +335,8 @@ def truncate_tree(tree: DraftTree, max_nodes: int) -> DraftTree:
         raise ValueError("max_nodes must be >= 1 (the root)")
     if tree.num_nodes <= max_nodes:
         return tree
+    if isinstance(tree, _ChainTree):
+        return _ChainTree(tree.token_list()[:max_nodes])
     probs = None if tree.draft_probs is None else tree.draft_probs[:max_nodes]
     return DraftTree(tree.draft_tokens[:max_nodes], tree.parents[:max_nodes], probs,
                      tree.is_sampled_with_replacement)

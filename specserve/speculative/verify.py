@@ -69,20 +69,25 @@ class AcceptResult(NamedTuple):
 
 def emitted_tokens(tree: DraftTree, result: AcceptResult) -> list[int]:
     """Tokens this step appends to the request: accepted draft tokens + bonus."""
-    tokens = tree.draft_tokens.tolist()
+    tokens = tree.token_list()
     return [tokens[i] for i in result.accepted_indices[1:]] + [result.bonus_token]
 
 
 # ---- greedy ---------------------------------------------------------------------
 
-def greedy_accept(tree: DraftTree, target_tokens: Tensor) -> AcceptResult:
+def greedy_accept(tree: DraftTree, target_tokens: Tensor | Sequence[int]) -> AcceptResult:
     """target_tokens: [n] int, argmax of the target after each node.
 
     From the current node, accept the first child whose token equals the
     target's choice; stop when none does. Bonus = target choice at the last node.
     """
-    tokens = tree.draft_tokens.tolist()
-    targets = target_tokens.tolist()
+    tokens = tree.token_list()
+    targets = target_tokens.tolist() if isinstance(target_tokens, Tensor) else list(target_tokens)
+    if tree.is_chain:               # node i's only child is i + 1
+        node = 0
+        while node + 1 < len(tokens) and tokens[node + 1] == targets[node]:
+            node += 1
+        return AcceptResult(list(range(node + 1)), int(targets[node]))
     children = children_lists(tree.parents)
     accepted = [0]
     node = 0

@@ -74,3 +74,10 @@ def test_trees_of_mixed_widths_get_the_same_metadata():
 
 def test_prefill_chunks_get_the_same_metadata():
     _assert_same(*_both([0, 17], [90, 33], [1, 3], [None, None], None))
+
+
+@pytest.mark.parametrize("prefix_len, num_new", [(0, 2), (37, 2), (62, 3), (120, 64), (295, 10)])
+def test_one_request_causal_forwards_get_the_same_metadata(prefix_len, num_new):
+    """A chain's verification or an EAGLE head's catch-up (one request, no tree mask): its own
+    path, the same values (the last case runs past the table's width of 300)."""
+    _assert_same(*_both([prefix_len], [num_new], [6], [None], PAD_SLOT))
