@@ -372,7 +372,8 @@ int decoder_layer(void *h, const void *x_in, const void *const *norms, const lin
 /* Every layer of a model in one call (decode-shaped forwards): layer l takes norms[2l..2l+1],
    linears[4l..4l+3], qkv_biases[l] (NULL: none) and its K/V at k_cache/v_cache + l * layer_bytes;
    aux_out (NULL, or num_layers pointers): where aux_out[l] is set, layer l's input h [T, H] is
-   copied there first (EAGLE-3's captured features); the rest as in decoder_layer. Saves a Python
+   copied there first, its rows aux_ld elements apart (EAGLE-3's captured features: columns of one
+   [T, 3H] tensor, the head's input without a concatenation); the rest as in decoder_layer. Saves a Python
    call, its checks and its argument conversions per layer; the layers run in one parallel region
    (a barrier between steps instead of a region per linear and attention: ~150 regions a decode
    step, each ~1 us to start on a 2-core Xeon). */
@@ -380,9 +381,11 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
                    float eps, const int *dims, int num_layers, const void *cos, const void *sin, char *k_cache,
                    char *v_cache, long layer_bytes, long slot_stride, long head_stride, const int64_t *out_loc,
                    const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
-                   void *const *aux_out, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+                   void *const *aux_out, long aux_ld, int T, int L, int Q, int dtype, int kv_dtype,
+                   int nthreads) {
     const kv_strides kv = {slot_stride, head_stride};
-    const size_t h_bytes = (size_t)T * dims[0] * (dtype == DTYPE_BF16 ? 2 : 4);
+    const int esize = dtype == DTYPE_BF16 ? 2 : 4;
+    const size_t row_bytes = (size_t)dims[0] * esize;
     layer_buffers buf;
     if (layer_buffers_alloc(&buf, dims, T, dtype, nthreads)) return -1;
     int status = 0;
@@ -391,7 +394,9 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
         int s = 0;
         for (int l = 0; l < num_layers && s == 0; l++) {
             #pragma omp master
-            if (aux_out && aux_out[l]) memcpy(aux_out[l], h, h_bytes);
+            if (aux_out && aux_out[l])
+                for (int t = 0; t < T; t++)
+                    memcpy((char *)aux_out[l] + t * aux_ld * esize, (const char *)h + t * row_bytes, row_bytes);
             s = decoder_layer_team(h, NULL, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
                                    k_cache + l * layer_bytes, v_cache + l * layer_bytes, kv, out_loc, kv_indices, mask,
                                    row_batch, row_query, T, L, Q, dtype, kv_dtype, &buf);
@@ -434,7 +439,7 @@ int model_stack(const int64_t *ids, const void *embedding, long vocab, const int
                 const float *const *qkv_biases, float eps, const int *dims, int num_layers, char *k_cache,
                 char *v_cache, long layer_bytes, long slot_stride, long head_stride, const int64_t *out_loc,
                 const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch, const int32_t *row_query,
-                void *const *aux_out, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
+                void *const *aux_out, long aux_ld, int T, int L, int Q, int dtype, int kv_dtype, int nthreads) {
     const int H = dims[0], hd = dims[3], is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     char *cos = malloc((size_t)T * hd * esize), *sin = malloc((size_t)T * hd * esize);
     int status = gather_ends(ids, embedding, vocab, positions, cos_table, sin_table, num_positions, T, H, hd, is_bf16,
@@ -442,7 +447,7 @@ int model_stack(const int64_t *ids, const void *embedding, long vocab, const int
     if (status == 0)
         status = decoder_layers(h, norms, linears, qkv_biases, eps, dims, num_layers, cos, sin, k_cache, v_cache,
                                 layer_bytes, slot_stride, head_stride, out_loc, kv_indices, mask, row_batch, row_query,
-                                aux_out, T, L, Q, dtype, kv_dtype, nthreads);
+                                aux_out, aux_ld, T, L, Q, dtype, kv_dtype, nthreads);
     if (status == 0 && final_norm) rms_norm(h, final_norm, out, T, H, final_eps, is_bf16);
     free(cos), free(sin);
     return status;

@@ -104,13 +104,22 @@ def layer_stack(layers: tuple[LayerWeights, ...]) -> LayerStack:
     return LayerStack(layers, norms, linears, biases, layers[0].dims, layers[0].eps)
 
 
+class CapturedInputs(list):
+    """The captured layer inputs ([T, H] each, ascending layers) as views of ``joined``
+    [T, n * H], their concatenation (what an EAGLE-3 head reads), or an empty list (None)."""
+
+    def __init__(self, views: list[torch.Tensor], joined: torch.Tensor | None) -> None:
+        super().__init__(views)
+        self.joined = joined
+
+
 def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor,
                    query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor,
                    capture: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """``decoder_layer`` for every layer of the stack in turn; k_cache/v_cache [layers, S, kv heads,
     head_dim], each layer's as ``attention.kv_strides`` takes it. Returns the inputs of the layers
-    in ``capture`` (ascending), copies of h."""
+    in ``capture`` (ascending), copies of h (``CapturedInputs``)."""
     captured, tail = _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, query_mask, row_batch,
                                       row_query, capture)
     status = _stack_function()(h.data_ptr(), *tail[:6], cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
@@ -198,9 +207,10 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
     layer_bytes = k_cache.stride(0) * k_cache.element_size()      # where layer l + 1 starts after layer l
     if v_cache.stride(0) != k_cache.stride(0):
         raise ValueError("the K and V caches' layers lie differently")
-    captured = [torch.empty_like(h) for _ in capture]
-    aux_out = None
+    captured, aux_out, width = CapturedInputs([], None), None, h.shape[1]
     if capture:
+        joined = h.new_empty(h.shape[0], len(capture) * width)
+        captured = CapturedInputs([joined[:, i * width:(i + 1) * width] for i in range(len(capture))], joined)
         aux_out = (ctypes.c_void_p * len(stack.layers))()
         for layer_id, out in zip(capture, captured):
             aux_out[layer_id] = out.data_ptr()
@@ -209,7 +219,7 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
         stack.eps, ctypes.addressof(stack.dims), len(stack.layers), k_cache.data_ptr(), v_cache.data_ptr(),
         layer_bytes, *kv_strides(k_cache[0], v_cache[0]), out_cache_loc.contiguous().data_ptr(),
         kv_indices.data_ptr(), query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), aux_out,
-        h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
+        len(capture) * width, h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -264,7 +274,8 @@ def _eagle3_function():
 
 # decoder_layers' arguments before cos and sin (h .. num_layers) and after them (k_cache ..)
 _STACK_HEAD = [ctypes.c_void_p] * 4 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-_STACK_TAIL = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6
+_STACK_TAIL = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_long]
+               + [ctypes.c_int] * 6)
 # _cache_arguments' types: K and V, their kv_strides, the metadata, rows, sizes, dtypes, threads
 _CACHE_ARGUMENTS = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
 

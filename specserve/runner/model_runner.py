@@ -195,7 +195,8 @@ def _features(kind: str, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch
     if kind == "aux":
         if not aux:
             raise ValueError("features 'aux' needs model.aux_layer_ids")
-        return torch.cat(aux, dim=-1)
+        joined = getattr(aux, "joined", None)           # the native stack's captures: already one tensor
+        return joined if joined is not None else torch.cat(aux, dim=-1)
     raise ValueError(f"unknown features kind {kind!r}")
 
 

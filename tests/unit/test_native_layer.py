@@ -176,9 +176,9 @@ def test_a_tree_node_gets_the_bits_of_its_plain_decode(dtype):
 @pytest.mark.parametrize("with_ends", [True, False])
 def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, native_norms, with_ends, monkeypatch):
     """The whole decode-shaped forward in one native call (embedding, rotary tables, every layer,
-    EAGLE-3's captured layer inputs, the final norm where it runs natively), or the layer stack in
-    one call with torch's ends where model_stack does not take them, gives the bits of the
-    layer-by-layer path with torch's embedding, rotary rows and norm."""
+    EAGLE-3's captured layer inputs, side by side in one tensor, the final norm where it runs
+    natively), or the layer stack in one call with torch's ends where model_stack does not take
+    them, gives the bits of the layer-by-layer path with torch's embedding, rotary rows and norm."""
     from specserve.models.layers import use_native_norms
     from specserve.models.llama import LlamaForCausalLM
 
@@ -220,6 +220,7 @@ def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, 
     (h_stack, aux_stack), (h_layers, aux_layers) = runs
     assert torch.equal(h_stack, h_layers)
     assert len(aux_stack) == 2 and all(torch.equal(a, b) for a, b in zip(aux_stack, aux_layers))
+    assert torch.equal(aux_stack.joined, torch.cat(aux_layers, dim=-1))   # what the EAGLE-3 head reads
 
 
 def test_the_one_call_model_rejects_an_id_outside_the_vocabulary():
