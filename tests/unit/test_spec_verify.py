@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from specserve.speculative.tree import DraftTree, chain, root_only
+from specserve.speculative.tree import DraftTree, chain, root_only, truncate_tree
 from specserve.speculative.verify import (AcceptResult, emitted_tokens, greedy_accept, sample_accept,
                                    verify_batch)
 
@@ -40,6 +40,18 @@ def test_greedy_chain_all_accepted_bonus_from_leaf():
     res = greedy_accept(tree, _targets(4, {0: 1, 1: 2, 2: 3, 3: 8}))
     assert res == ([0, 1, 2, 3], 8)
     assert emitted_tokens(tree, res) == [1, 2, 3, 8]
+
+
+def test_a_chain_of_ids_is_the_tree_its_tensors_describe():
+    """``chain`` of a list keeps the ids as a list (an EAGLE chain, every step): its tensors, depth,
+    cuts and greedy acceptance (targets as a list) are those of the same tree built from tensors."""
+    ids = [7, 1, 2, 3]
+    fast, general = chain(ids), DraftTree.from_lists(ids, [-1, 0, 1, 2])
+    assert torch.equal(fast.draft_tokens, general.draft_tokens) and torch.equal(fast.parents, general.parents)
+    assert (fast.num_nodes, fast.depth, fast.root_token, fast.is_chain) == (4, 3, 7, True)
+    assert truncate_tree(fast, 2).token_list() == [7, 1] and truncate_tree(fast, 2).depth == 1
+    targets = [1, 2, 5, 4]
+    assert greedy_accept(fast, targets) == greedy_accept(general, torch.tensor(targets)) == ([0, 1, 2], 5)
 
 
 def test_greedy_root_only_is_plain_decoding():
