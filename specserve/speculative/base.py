@@ -238,7 +238,6 @@ class SpecWorker:
         # the learned overhead rose to ~4 ms and kept the head declined)
         seconds = time.perf_counter() - start - proposer.last_switch_seconds      # synced above
         self.policy.observe_step([t.num_nodes for t in trees], seconds)
-        self.policy.charge_catch_up(proposer.last_switch_seconds)
         return out
 
     def _plain_step(self, engine, items: list, trees: list[DraftTree]) -> dict[str, TokenResult]:

@@ -472,15 +472,6 @@ class SpecPolicy:
             states[i].backoff = min(max(2, 2 * states[i].backoff), PROBE_MAX_BACKOFF)
             states[i].is_probing = True
 
-    def charge_catch_up(self, seconds: float) -> None:
-        """A draft's catch-up on the positions of plain steps before it (``last_switch_seconds``: an
-        EAGLE head switching on for a probe after up to 64 plain steps), spent from the probe
-        credit: the step-cost model leaves it out, so probes cost more than their budget said
-        (EAGLE3 on chat prompts, nearly every probe declined: ~2% of the time, against the 0.5%
-        budgeted). The credit may go below zero; no charged probe runs until it has accrued back."""
-        if not self.is_always and seconds > 0.0:
-            self.probe_credit -= seconds
-
     def observe(self, state: RequestPolicyState, accept_len: int, depth: int) -> None:
         """One verify of a tree of ``depth`` that accepted ``accept_len`` draft tokens."""
         is_full = accept_len >= depth

@@ -393,29 +393,6 @@ def test_a_requests_first_probe_is_not_charged():
     assert not policy.may_probe([new], [4], [3])
 
 
-def test_a_catch_up_is_paid_from_the_probe_credit():
-    """A probe whose draft caught up on many plain steps' positions spent more than the step-cost
-    model says: the catch-up comes off the credit, and the next charged probe waits until the
-    credit has accrued back past the probe's own cost."""
-    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)
-    state = _state(0.5, backoff=0)
-    policy.probe_credit = 0.0
-    plain_steps = 0
-    while policy.select([state], [4], [3]) == [1]:         # credit accrues until a probe is paid for
-        plain_steps += 1
-    policy.observe(state, 0, 3)
-    state.backoff = 0
-    policy.probe_credit = 0.0
-    policy.charge_catch_up(50.0)                              # five plain steps' worth of catch-up
-    charged = 0
-    while policy.select([state], [4], [3]) == [1]:
-        charged += 1
-    assert charged > plain_steps + 900                        # 50 ms at 0.5% of a 10 ms step a step: 1,000 steps
-    always = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4, is_always=True)
-    always.charge_catch_up(50.0)
-    assert always.probe_credit == float("inf")
-
-
 def test_probe_judges_the_tree_at_its_best_size():
     """Where wide verifies cost much, a fully accepted probe cannot make a 12-node tree pay but
     makes a 4-node one pay (the size ``preferred_nodes`` would then give it): the probe runs."""
