@@ -49,6 +49,7 @@ COST_WIDTHS_REQUIRED = (1, 3, 4, 16)   # float32 CPU: up to 3 rows cost about 1,
 COST_WIDTHS_OPTIONAL = (8, 64, 256)
 TARGET_COST_BUDGET_S = 1.5
 PROPOSE_FIRST_SHARE = 0.02     # of a plain step: what a cheap proposer may spend before the policy weighs
+DRAFT_WARM_STEPS = 3           # a draft model's steps in a row before its step times teach the policy
 
 
 @dataclass
@@ -160,7 +161,8 @@ def create_spec_worker(ctx: ProposerContext) -> "SpecWorker":
     curve = measure_target_cost(ctx)
     proposer.measure_cost()
     policy = SpecPolicy(curve, proposer.draft_cost, ctx.params.num_draft_tokens,
-                        is_always=ctx.params.policy == "always")
+                        is_always=ctx.params.policy == "always",
+                        warm_steps=0 if proposer.is_cheap else DRAFT_WARM_STEPS)
     logger.info("speculative %s: S=%d K=%d N=%d; verify cost %s; draft cost(1)=%.1fms; speculation "
                 "on up to batch size %d at accept len %.1f (startup timing %.2fs)", ctx.params.algorithm,
                 ctx.params.num_steps, ctx.params.topk, ctx.params.num_draft_tokens, curve.describe(),

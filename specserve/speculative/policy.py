@@ -178,6 +178,7 @@ class RequestPolicyState:
     predicted: float = 0.0          # extra tokens the policy expected from this step's tree
     num_drafted_steps: int = 0      # decode steps whose tree carried drafts
     num_plain_steps: int = 0        # decode steps decoded plainly (declined, or nothing to draft)
+    num_drafting_in_row: int = 0    # consecutive decode steps with a draft, up to the last select's
 
     @property
     def has_history(self) -> bool:
@@ -202,7 +203,14 @@ class StepCost:
     Measured on a 2-core AVX-512 VNNI Xeon, an EAGLE3 step cost ~1.5 ms more than that: ignored, the
     policy kept speculating at 0.85x plain decoding. All three learn online from the step
     times the worker reports (a drafting step's without its draft's catch-up on positions of
-    plain steps before it, ``Proposer.last_switch_seconds``: a one-off cost of switching on)."""
+    plain steps before it, ``Proposer.last_switch_seconds``: a one-off cost of switching on).
+    With a draft model (``SpecPolicy.warm_steps``), only steps where every drafting request has
+    drafted the ``warm_steps`` steps before too teach ``overhead`` and ``pad``: the first steps
+    after plain ones also pay for a draft whose weights went cold (EAGLE3 (1,1,2) on a 2-core
+    Xeon: residuals of 0.4-0.9 ms at the median against 0.2 for a request that keeps drafting,
+    ~2 ms for a probe). Learned from those, which are most drafting steps where the policy
+    declines, the overhead rose to 1.1-1.8 ms against a steady -0.1, and the policy kept
+    declining the head where, speculating every step, it ran 1.07x plain decoding."""
 
     def __init__(self, curve: CostCurve, draft_cost: Callable[[int, int], float]) -> None:
         self.curve, self.draft_cost = curve, draft_cost
@@ -215,9 +223,12 @@ class StepCost:
         draft = max(self.draft_cost(num_drafting, max_q) + self.overhead, 0.0) if num_drafting else 0.0
         return self.scale * self.curve(width) + self.pad * (bs * max_q - width) + draft
 
-    def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
+    def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float,
+                is_warm: bool = True) -> None:
         if max_q <= 1:
             self.scale += COST_EMA_WEIGHT * (seconds / self.curve(bs) - self.scale)
+            return
+        if not is_warm:
             return
         residual = seconds - self.scale * self.curve(width) - self.draft_cost(num_drafting, max_q)
         if bs * max_q == width:       # no padding (one request, or equal widths)
@@ -240,7 +251,7 @@ class SpecPolicy:
     """Chooses, per step, which requests speculate (see the module docstring)."""
 
     def __init__(self, target_cost: CostCurve, draft_cost: Callable[[int, int], float],
-                 num_draft_tokens: int, *, is_always: bool = False) -> None:
+                 num_draft_tokens: int, *, is_always: bool = False, warm_steps: int = 0) -> None:
         self.cost = StepCost(target_cost, draft_cost)
         self.is_always = is_always      # speculate for every request (tests, accept-length benchmarks)
         self.num_draft_tokens = num_draft_tokens
@@ -250,6 +261,8 @@ class SpecPolicy:
         self.probe_credit = float("inf")             # seconds; capped at PROBE_CREDIT_PROBES probes
         self.probe_success = PROBE_SUCCESS_PRIOR     # EMA: share of probes fully accepted
         self.picked_share = 1.0                      # EMA: share of requests picked (not probes)
+        self.warm_steps = warm_steps                 # drafting steps in a row before a step teaches the overhead
+        self.last_step_is_warm = True                # every request the last select let draft was warm
 
     def select(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int],
                can_pick: bool = True) -> list[int]:
@@ -275,7 +288,7 @@ class SpecPolicy:
             calibration = self.calibration
             alphas = [1.0 + calibration * (expected_tokens(self.rate(s), d) - 1.0) for s, d in zip(states, depths)]
             order = sorted((i for i in range(bs) if nodes[i] > 1 and states[i].has_history), key=lambda i: -alphas[i])
-            k = self._best_prefix(bs, order, alphas, nodes)
+            k = self._best_prefix(bs, order, alphas, nodes, states)
         self.picked_share += PICKED_EMA_WEIGHT * (k / bs - self.picked_share)
         sizes = [1] * bs
         for i in order[:k]:
@@ -283,7 +296,9 @@ class SpecPolicy:
         self._probe(states, nodes, depths, sizes)
         for state, size, depth in zip(states, sizes, depths):
             state.num_skipped = 0 if size > 1 else state.num_skipped + 1
+            state.num_drafting_in_row = state.num_drafting_in_row + 1 if size > 1 else 0
             state.predicted = expected_tokens(self.rate(state), min(depth, size - 1)) - 1.0 if size > 1 else 0.0
+        self.last_step_is_warm = all(s.num_drafting_in_row > self.warm_steps for s, n in zip(states, sizes) if n > 1)
         self._log_change(bs, sum(size > 1 for size in sizes))
         return sizes
 
@@ -294,11 +309,13 @@ class SpecPolicy:
         probe needs a tree with a draft), the probe credit accrues a plain step's share, and
         every request counts one more skipped step and predicts no extra tokens."""
         bs = len(states)
+        self.last_step_is_warm = True
         if not self.is_always:
             self.picked_share -= PICKED_EMA_WEIGHT * self.picked_share
             self.probe_credit += self._probe_accrual(self.cost(bs, bs, 1, 0), self.picked_share)
             for state in states:
                 state.num_skipped += 1
+                state.num_drafting_in_row = 0
             self._log_change(bs, 0)
         for state in states:
             state.predicted = 0.0
@@ -343,8 +360,9 @@ class SpecPolicy:
         return best_n
 
     def observe_step(self, sizes: list[int], seconds: float) -> None:
-        """Wall time of a decode step whose trees had ``sizes`` nodes."""
-        self.cost.observe(len(sizes), sum(sizes), max(sizes), sum(n > 1 for n in sizes), seconds)
+        """Wall time of a decode step whose trees had ``sizes`` nodes (the last ``select``'s)."""
+        self.cost.observe(len(sizes), sum(sizes), max(sizes), sum(n > 1 for n in sizes), seconds,
+                          self.last_step_is_warm)
 
     def may_pick_any(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int]) -> bool:
         """Whether ``select`` could let a request with a history speculate, whatever trees of at
@@ -362,7 +380,8 @@ class SpecPolicy:
         least_draft = max(self.cost.draft_cost(1, 2) + self.cost.overhead, 0.0)
         rates = [(self.rate(s), depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
         gains = sorted((calibration * rate ** d for rate, depth in rates for d in range(1, depth + 1)), reverse=True)
-        threshold = (1.0 + MARGIN) * self._plain_rate(bs)
+        keeps = any(n > 1 and s.has_history and self._keeps_drafting(s) for s, n in zip(states, nodes))
+        threshold = (1.0 + (-MARGIN if keeps else MARGIN)) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
         for width, gain in enumerate(gains, start=bs + 1):
             seconds = self.cost.scale * self.cost.curve(width) + least_draft
@@ -431,17 +450,30 @@ class SpecPolicy:
     def _plain_rate(self, bs: int) -> float:
         return bs / self.cost(bs, bs, 1, 0)
 
-    def _best_prefix(self, bs: int, order: list[int], alphas: list[float], nodes: list[int]) -> int:
-        best_k, best = 0, self._plain_rate(bs) * (1.0 + MARGIN)
-        tokens, width, max_q = float(bs), bs, 1
+    def _best_prefix(self, bs: int, order: list[int], alphas: list[float], nodes: list[int],
+                     states: list[RequestPolicyState]) -> int:
+        """The best prefix of ``order`` to let speculate (0: nobody): the highest rate among those
+        that beat plain decoding by MARGIN, or, where none of its requests switches on (a draft
+        model's requests that drafted the last step), that come within MARGIN of it."""
+        plain, best_k, best = self._plain_rate(bs), 0, 0.0
+        tokens, width, max_q, switches_on = float(bs), bs, 1, False
         for k, i in enumerate(order, start=1):
             tokens += alphas[i] - 1.0
             width += nodes[i] - 1
             max_q = max(max_q, nodes[i])
+            switches_on = switches_on or not self._keeps_drafting(states[i])
             rate = tokens / self.cost(bs, width, max_q, k)
-            if rate > best:
+            if rate > best and rate > plain * (1.0 + (MARGIN if switches_on else -MARGIN)):
                 best_k, best = k, rate
         return best_k
+
+    def _keeps_drafting(self, state: RequestPolicyState) -> bool:
+        """A draft model's request that drafted the last step: stopping now and starting again
+        later costs a catch-up and a cold draft (``warm_steps``), so it goes on while its step
+        comes within MARGIN of plain decoding, where starting needs MARGIN above it (EAGLE3 on
+        gsm8k prompts, declined after a rejection or two and probed back: 0.96-0.99x plain
+        under the policy, 1.13x speculating every step)."""
+        return self.warm_steps > 0 and state.num_drafting_in_row > 0
 
     def _probe(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int],
                sizes: list[int]) -> None:

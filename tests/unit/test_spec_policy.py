@@ -30,6 +30,7 @@ def _random_requests(rng, bs, fresh_share=0.0):
     states = [request() for _ in range(bs)]
     for state in states:
         state.num_skipped = rng.randrange(8)
+        state.num_drafting_in_row = 0 if state.num_skipped else rng.choice([0, 1, 5])
     return states, [rng.choice([1, 4, 12]) for _ in range(bs)]
 
 
@@ -194,7 +195,7 @@ def test_may_pick_any_bounds_select():
     for trial in range(300):
         bs = rng.choice([1, 2, 4, 8, 16, 32])
         curve = rng.choice([FLAT_THEN_LINEAR, LINEAR])
-        policy = SpecPolicy(curve, lambda k, n: 0.0, num_draft_tokens=12)
+        policy = SpecPolicy(curve, lambda k, n: 0.0, num_draft_tokens=12, warm_steps=rng.choice([0, 3]))
         states, caps = _random_requests(rng, bs)
         nodes = [rng.randint(1, c) for c in caps]
         depths = [(n - 1 if rng.random() < 0.7 else rng.randint(1, n - 1)) if n > 1 else 0 for n in nodes]  # chains often
@@ -222,7 +223,7 @@ def test_select_told_nobody_can_be_picked_chooses_the_same():
         bs = rng.choice([1, 2, 4, 16])
         draft_ms = rng.choice([0.0, 0.5, 3.0])
         policy = SpecPolicy(rng.choice([FLAT_THEN_LINEAR, LINEAR]), lambda k, n, d=draft_ms: d * k,
-                            num_draft_tokens=12)
+                            num_draft_tokens=12, warm_steps=rng.choice([0, 3]))
         policy.cost.overhead = rng.choice([0.0, -2.0, -50.0, 1.0])
         policy.probe_credit = rng.choice([0.0, 5.0, float("inf")])
         states, caps = _random_requests(rng, bs)
@@ -391,6 +392,49 @@ def test_a_requests_first_probe_is_not_charged():
     policy.observe(new, 0, 3)                                # rejected: now it has a history
     assert [policy.select([new], [4], [3])[0] for _ in range(20)] == [1] * 20
     assert not policy.may_probe([new], [4], [3])
+
+
+def test_a_draft_models_first_steps_after_plain_ones_teach_no_overhead(monkeypatch):
+    """A draft model's first steps after plain ones (probes) cost one-off extras, such as weights
+    that went cold: with ``warm_steps``, their time does not become the overhead of speculating,
+    which would keep the policy declining a draft that pays once it drafts every step. A request
+    that keeps drafting teaches it from its (warm_steps + 1)-th step in a row."""
+    import specserve.speculative.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "PROBE_BUDGET", (1.0, 1.0))     # credit is never the limit here
+    policy = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4, warm_steps=2)
+    state = _state(0.0, backoff=0)
+    probes = 0
+    for _ in range(300):
+        sizes = policy.select([state], [4], [3])
+        probes += sizes[0] > 1
+        policy.observe_step(sizes, LINEAR(sum(sizes)) + (20.0 if sizes[0] > 1 else 0.0))
+        if sizes[0] > 1:
+            policy.observe(state, 0, 3)
+    assert probes > 5 and policy.cost.overhead == 0.0
+    kept = _state(0.9)
+    for step in range(4):
+        assert policy.select([kept], [4], [3]) == [4] and policy.last_step_is_warm == (step >= 2)
+        policy.observe_step([4], LINEAR(4) + 3.0)
+    assert 0.0 < policy.cost.overhead < 3.0
+    without = SpecPolicy(LINEAR, lambda k, n: 0.0, num_draft_tokens=4)       # NGRAM: every step teaches
+    assert without.select([_state(0.9)], [4], [3]) == [4] and without.last_step_is_warm
+
+
+def test_a_draft_models_request_keeps_drafting_within_the_margin():
+    """Starting to draft needs MARGIN above plain decoding; a draft model's request that drafted
+    the last step goes on while it comes within MARGIN of it (stopping and starting again costs
+    a catch-up and a cold draft). Without a draft model (NGRAM) both need MARGIN above."""
+    curve = CostCurve([1, 2], [10.0, 10.0])            # a 2-node verify costs a plain step
+    for rate, starts, keeps in ((0.08, True, True), (0.0, False, True), (-0.08, False, False)):
+        tokens = 1.0 + 0.5                               # alpha of a request at acceptance 0.5, depth 1
+        seconds = tokens * 10.0 / (1.0 + rate)           # its step's cost: tokens a ms (1 + rate) x plain's
+        for warm_steps, expect_keep in ((3, keeps), (0, starts)):
+            policy = SpecPolicy(curve, lambda k, n, d=seconds - 10.0: d, num_draft_tokens=2, warm_steps=warm_steps)
+            state = _state(0.5)
+            assert policy.select([state], [2], [1]) == ([2] if starts else [1]), (rate, warm_steps)
+            state.num_drafting_in_row = 1
+            assert policy.select([state], [2], [1]) == ([2] if expect_keep else [1]), (rate, warm_steps)
 
 
 def test_probe_judges_the_tree_at_its_best_size():
