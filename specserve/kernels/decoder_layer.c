@@ -373,8 +373,8 @@ int decoder_layer(void *h, const void *x_in, const void *const *norms, const lin
    linears[4l..4l+3], qkv_biases[l] (NULL: none) and its K/V at k_cache/v_cache + l * layer_bytes;
    aux_out (NULL, or num_layers pointers): where aux_out[l] is set, layer l's input h [T, H] is
    copied there first, its rows aux_ld elements apart (EAGLE-3's captured features: columns of one
-   [T, 3H] tensor, the head's input without a concatenation); the rest as in decoder_layer. Saves a Python
-   call, its checks and its argument conversions per layer; the layers run in one parallel region
+   [T, 3H] tensor, the head's input without a concatenation); the rest as in decoder_layer. Saves
+   a Python call, its checks and its argument conversions per layer; the layers run in one parallel region
    (a barrier between steps instead of a region per linear and attention: ~150 regions a decode
    step, each ~1 us to start on a 2-core Xeon). */
 int decoder_layers(void *h, const void *const *norms, const linear_weights *linears, const float *const *qkv_biases,

@@ -106,7 +106,8 @@ def layer_stack(layers: tuple[LayerWeights, ...]) -> LayerStack:
 
 class CapturedInputs(list):
     """The captured layer inputs ([T, H] each, ascending layers) as views of ``joined``
-    [T, n * H], their concatenation (what an EAGLE-3 head reads), or an empty list (None)."""
+    [T, n * H], their concatenation (what an EAGLE-3 head reads); without captures an empty
+    list, ``joined`` None."""
 
     def __init__(self, views: list[torch.Tensor], joined: torch.Tensor | None) -> None:
         super().__init__(views)
@@ -219,7 +220,8 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
         stack.eps, ctypes.addressof(stack.dims), len(stack.layers), k_cache.data_ptr(), v_cache.data_ptr(),
         layer_bytes, *kv_strides(k_cache[0], v_cache[0]), out_cache_loc.contiguous().data_ptr(),
         kv_indices.data_ptr(), query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), aux_out,
-        len(capture) * width, h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
+        len(capture) * width, h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype],
+        torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,9 +24,9 @@ import torch
 
 from specserve.core import TokenResult
 from specserve.models.packed_linear import INTEGER_QUANTIZATION, Q8_ON_LOAD_QUANTIZATION
+from specserve.runner.model_runner import in_inference_mode
 from specserve.speculative import target_verify as tv
 from specserve.speculative.params import SpecParams
-from specserve.runner.model_runner import in_inference_mode
 from specserve.speculative.policy import CostCurve, SpecPolicy, measure_cost_curve
 from specserve.speculative.state import RequestSpecState, spec_state, tail_ids  # noqa: F401 (re-export)
 from specserve.speculative.tree import DraftTree, root_only, truncate_tree

@@ -26,7 +26,8 @@ decoding requests:
   prior); for every prefix of that order the step's
   throughput is ``(bs + sum(alpha_r - 1)) / step_cost(prefix)``; the best
   prefix wins if it beats plain decoding (``bs / step_cost(none)``) by MARGIN,
-  else nobody speculates;
+  else nobody speculates (with a draft model, a prefix whose requests all drafted the
+  last step needs only to come within MARGIN of it: ``_keeps_drafting``);
 * before proposing, each request with a history gets the tree size (2..N nodes) that
   maximizes its calibrated expected tokens per second of step time on the cost curve
   (``preferred_nodes``): deep trees for requests that accept a lot, short chains for
@@ -298,7 +299,8 @@ class SpecPolicy:
             state.num_skipped = 0 if size > 1 else state.num_skipped + 1
             state.num_drafting_in_row = state.num_drafting_in_row + 1 if size > 1 else 0
             state.predicted = expected_tokens(self.rate(state), min(depth, size - 1)) - 1.0 if size > 1 else 0.0
-        self.last_step_is_warm = all(s.num_drafting_in_row > self.warm_steps for s, n in zip(states, sizes) if n > 1)
+        self.last_step_is_warm = all(state.num_drafting_in_row > self.warm_steps
+                                     for state, size in zip(states, sizes) if size > 1)
         self._log_change(bs, sum(size > 1 for size in sizes))
         return sizes
 
