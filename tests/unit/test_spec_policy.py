@@ -428,7 +428,7 @@ def test_a_draft_models_request_keeps_drafting_within_the_margin():
     curve = CostCurve([1, 2], [10.0, 10.0])            # a 2-node verify costs a plain step
     for rate, starts, keeps in ((0.08, True, True), (0.0, False, True), (-0.08, False, False)):
         tokens = 1.0 + 0.5                               # alpha of a request at acceptance 0.5, depth 1
-        seconds = tokens * 10.0 / (1.0 + rate)           # its step's cost: tokens a ms (1 + rate) x plain's
+        seconds = tokens * 10.0 / (1.0 + rate)           # so its tokens a ms are (1 + rate) x plain decoding's
         for warm_steps, expect_keep in ((3, keeps), (0, starts)):
             policy = SpecPolicy(curve, lambda k, n, d=seconds - 10.0: d, num_draft_tokens=2, warm_steps=warm_steps)
             state = _state(0.5)
