@@ -137,50 +137,18 @@ def chain(tokens: Sequence[int] | Tensor, draft_probs: Tensor | None = None) -> 
 
 def root_only(root_token: int) -> DraftTree:
     """The "empty" tree: no speculation, plain decoding of one token. Built on every step of
-    every request the policy skips, so it shares one parents tensor, skips ``_validate``
-    (valid by construction) and makes its token tensor only when something reads it: a plain
-    step reads only ``is_root_only`` and ``root_token`` (making the tensor took ~20 us a step
-    in a decode step, after the weights went through the caches; 11 us hot with validation)."""
-    return _RootOnlyTree(root_token)
-
-
-_ROOT_PARENTS = torch.tensor([-1], dtype=torch.int64)   # read-only: never modified in place
-
-
-class _RootOnlyTree(DraftTree):
-    """``root_only``'s tree: a DraftTree whose one-token tensor is made on first read."""
-
-    def __init__(self, root_token: int) -> None:       # no dataclass __init__: nothing to validate
-        self._root, self._tokens, self._depth = int(root_token), None, 0
-        self.parents, self.draft_probs, self.is_sampled_with_replacement = _ROOT_PARENTS, None, False
-
-    @property
-    def draft_tokens(self) -> Tensor:
-        if self._tokens is None:
-            self._tokens = torch.from_numpy(np.array([self._root], dtype=np.int64))
-        return self._tokens
-
-    @property
-    def num_nodes(self) -> int:
-        return 1
-
-    @property
-    def root_token(self) -> int:
-        return self._root
-
-    @property
-    def is_chain(self) -> bool:
-        return True
-
-    def token_list(self) -> list[int]:
-        return [self._root]
+    every request the policy skips, so it skips ``_validate`` (valid by construction) and makes
+    its tensors only when something reads them: a plain step reads only ``is_root_only`` and
+    ``root_token`` (making the tensor took ~20 us a step in a decode step, after the weights went
+    through the caches; 11 us hot with validation). A chain of the one id."""
+    return _ChainTree([root_token])
 
 
 class _ChainTree(DraftTree):
     """``chain``'s tree of a list of ids without draft probabilities (an EAGLE chain, every step
-    of every drafting request): valid by construction, its tensors made on first read. The
-    verifier and the engine read its tokens as a list (``token_list``); building and validating
-    the tensors took ~30 us a step."""
+    of every drafting request) and ``root_only``'s: valid by construction, its tensors made on
+    first read. The verifier and the engine read its tokens as a list (``token_list``); building
+    and validating the tensors took ~30 us a step."""
 
     def __init__(self, tokens: list[int]) -> None:       # no dataclass __init__: nothing to validate
         self._ids, self._tokens, self._parents = [int(t) for t in tokens], None, None
