@@ -217,8 +217,9 @@ def _load_tokenizer(args: ServerArgs, model_path: str) -> Tokenizer:
 
 
 def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: torch.dtype) -> ServerArgs:
-    """The default model with EAGLE3 / EAGLE / STANDALONE and no draft path: the shipped draft,
-    and, with S/K/N left unset, the shape measured fastest for it (SGLang picks one per model)."""
+    """The default model with EAGLE3 / EAGLE / STANDALONE and no draft path: the shipped draft
+    (for EAGLE with the shipped FR-Spec map unless --speculative-token-map is given), and, with
+    S/K/N left unset, the shape measured fastest for it (SGLang picks one per model)."""
     if args.speculative_draft_model_path or not is_default_model(model_path):
         return args
     from specserve.drafts import measured_shape, shipped_draft
@@ -228,6 +229,7 @@ def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: t
         return args
     logger.info("--speculative-algorithm %s: using the shipped draft %s", args.speculative_algorithm, path)
     args = dataclasses.replace(args, speculative_draft_model_path=str(path))
+    args = _with_shipped_token_map(args)
     shape = measured_shape(args.speculative_algorithm, device, dtype, args.quantization)
     if shape is None or any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
                                                     args.speculative_num_draft_tokens)):
@@ -237,6 +239,23 @@ def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: t
     steps, topk, num_draft_tokens = shape
     return dataclasses.replace(args, speculative_num_steps=steps, speculative_eagle_topk=topk,
                                speculative_num_draft_tokens=num_draft_tokens)
+
+
+def _with_shipped_token_map(args: ServerArgs) -> ServerArgs:
+    """The shipped EAGLE head proposes from the shipped FR-Spec map by default: its LM head then
+    covers the 8,192 most frequent ids instead of 49,152 (a draft step ~0.6 ms cheaper; (1,1,2)
+    ran 0.97x plain instead of 0.84x on a 2-core AVX-512 Xeon, the same accept length). EAGLE3
+    and STANDALONE drafts carry their own pruned vocabularies."""
+    from specserve.drafts import FRSPEC_TOKEN_MAP
+
+    if (args.speculative_algorithm or "").upper() != "EAGLE" or args.speculative_token_map is not None:
+        return args
+    if not FRSPEC_TOKEN_MAP.is_file():
+        return args
+    logger.info("--speculative-algorithm EAGLE: the shipped draft proposes from the shipped FR-Spec map %s "
+                "(--speculative-token-map; pass --speculative-draft-model-path to choose the draft yourself)",
+                FRSPEC_TOKEN_MAP)
+    return dataclasses.replace(args, speculative_token_map=str(FRSPEC_TOKEN_MAP))
 
 
 def _check_token_map(args: ServerArgs, spec, cfg: ModelConfig) -> None:

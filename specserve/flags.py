@@ -160,7 +160,9 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                                               "in SGLang."),
     "speculative_token_map": _spec("FR-Spec token map: a torch.save'd list of target token ids the draft may "
                                    "propose (EAGLE, STANDALONE); a path or org/name/file.pt on the Hub. "
-                                   "EAGLE3 heads carry their own draft vocabulary and ignore it (logged)."),
+                                   "EAGLE3 heads carry their own draft vocabulary and ignore it (logged). The "
+                                   "default model's shipped EAGLE draft takes the shipped 8k map unless one "
+                                   "is given."),
     "speculative_attention_mode": _spec("Attention for verification, SGLang's prefill or decode kernels; "
                                         "both run the same tree attention here.", choices=("prefill", "decode")),
     "speculative_draft_model_quantization": _spec("Quantization of the draft (STANDALONE model or EAGLE head). "

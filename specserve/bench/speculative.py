@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "comma-separated; default: the four eval files")
     parser.add_argument("--num-prompts-per-file", type=int, default=3)
     parser.add_argument("--algorithm", default="NGRAM",
-                        help=f"{'|'.join(ALGORITHMS)} (EAGLE+FR: EAGLE with an FR-Spec token map), "
+                        help=f"{'|'.join(ALGORITHMS)} (EAGLE+FR: EAGLE with --token-map; the default model's "
+                             "shipped EAGLE head takes the shipped FR-Spec map already), "
                              "comma-separated to compare several in one run, or none for plain decoding "
                              "only (default %(default)s)")
     parser.add_argument("--draft-model-path", default=None,

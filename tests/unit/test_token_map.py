@@ -101,3 +101,25 @@ def test_unreadable_token_map_is_one_line_config_error(tmp_path):
     with pytest.raises(ConfigError, match="^--speculative-token-map .*: not a token map") as info:
         read_token_map(str(path), vocab_size=10)
     assert "\n" not in str(info.value)
+
+
+def test_the_shipped_eagle_draft_takes_the_shipped_token_map():
+    """The default model's EAGLE head, picked by the engine, proposes from the shipped FR-Spec
+    map; a map given, a draft chosen by the user, another algorithm or model get none added."""
+    from specserve.config import ServerArgs
+    from specserve.drafts import FRSPEC_TOKEN_MAP, shipped_draft
+    from specserve.engine_setup import _with_shipped_draft
+
+    if shipped_draft("EAGLE") is None or not FRSPEC_TOKEN_MAP.is_file():
+        pytest.skip("no shipped EAGLE draft or FR-Spec map in specserve/drafts")
+
+    def token_map(model_path=None, **kwargs):
+        return _with_shipped_draft(ServerArgs(**kwargs), model_path, "cpu", torch.float32).speculative_token_map
+
+    assert token_map(speculative_algorithm="EAGLE") == str(FRSPEC_TOKEN_MAP)
+    assert token_map(speculative_algorithm="eagle") == str(FRSPEC_TOKEN_MAP)
+    assert token_map(speculative_algorithm="EAGLE", speculative_token_map="mine.pt") == "mine.pt"
+    assert token_map(speculative_algorithm="EAGLE", speculative_draft_model_path=str(shipped_draft("EAGLE"))) is None
+    assert token_map(speculative_algorithm="EAGLE3") is None
+    assert token_map(speculative_algorithm="STANDALONE") is None
+    assert token_map("/elsewhere/model.gguf", speculative_algorithm="EAGLE") is None
