@@ -1,8 +1,8 @@
 """The speculation policy on synthetic cost curves."""
 from __future__ import annotations
 
-from specserve.speculative.policy import (PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve, RequestPolicyState, SpecPolicy,
-                                   expected_tokens, measure_cost_curve)
+from specserve.speculative.policy import (KEEP_MARGIN, MARGIN, PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve,
+                                   RequestPolicyState, SpecPolicy, expected_tokens, measure_cost_curve)
 
 # memory-bound up to 16 tokens, then linear (a GPU-like curve, in ms)
 FLAT_THEN_LINEAR = CostCurve([1, 16, 64, 256], [10.0, 11.0, 30.0, 110.0])
@@ -423,10 +423,11 @@ def test_a_draft_models_first_steps_after_plain_ones_teach_no_overhead(monkeypat
 
 def test_a_draft_models_request_keeps_drafting_within_the_margin():
     """Starting to draft needs MARGIN above plain decoding; a draft model's request that drafted
-    the last step goes on while it comes within MARGIN of it (stopping and starting again costs
-    a catch-up and a cold draft). Without a draft model (NGRAM) both need MARGIN above."""
+    the last step goes on while it comes within KEEP_MARGIN of it (stopping and starting again
+    costs a catch-up and a cold draft). Without a draft model (NGRAM) both need MARGIN above."""
     curve = CostCurve([1, 2], [10.0, 10.0])            # a 2-node verify costs a plain step
-    for rate, starts, keeps in ((0.08, True, True), (0.0, False, True), (-0.08, False, False)):
+    for rate, starts, keeps in ((MARGIN + 0.03, True, True), (0.0, False, True),
+                                (-KEEP_MARGIN + 0.03, False, True), (-KEEP_MARGIN - 0.03, False, False)):
         tokens = 1.0 + 0.5                               # alpha of a request at acceptance 0.5, depth 1
         seconds = tokens * 10.0 / (1.0 + rate)           # so its tokens a ms are (1 + rate) x plain decoding's
         for warm_steps, expect_keep in ((3, keeps), (0, starts)):
