@@ -479,7 +479,7 @@ class SpecPolicy:
         at an acceptance of 0.35, pull the request's estimate (decay REQUEST_DECAY, PRIOR_WEIGHT
         towards the global rate) ~10% below its rate. Replaying (1,1,2) accept sequences (EAGLE3
         on vicuna, every step speculating; and synthetic ones) through these rules at a drafting
-        step of 1.30-1.36x a plain one: a 5% margin gave up 2-5% of what drafting every step
+        step of 1.30-1.45x a plain one: a 5% margin gave up 2-5% of what drafting every step
         gives where it pays by a few per cent (vicuna 1.00x against 1.045x), 12% about nothing,
         while it lost at most ~1% where drafting does not pay. Served (copy-heavy and 8 prompts of
         each eval file, the two margins in turns, four pairs): EAGLE3 (1,1,2) 1.00x-1.02x against
