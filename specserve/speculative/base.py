@@ -335,8 +335,12 @@ class SpecWorker:
                 self.num_drafted_steps += 1
 
     def server_info(self) -> dict[str, Any]:
-        p = self.params
-        return {"spec_accept_histogram": list(self.accept_histogram),
+        """Speculation's figures for ``/get_server_info``, with the draft and token map in use (the
+        engine's choice where the flags were left unset: the shipped draft, its map)."""
+        p, args = self.params, self.proposer.ctx.server_args
+        return {"speculative_draft_model_path": args.speculative_draft_model_path,
+                "speculative_token_map": args.speculative_token_map,
+                "spec_accept_histogram": list(self.accept_histogram),
                 "spec_draft_tokens": self.num_draft_tokens_verified,
                 "speculative_num_steps": p.num_steps, "speculative_eagle_topk": p.topk,
                 "speculative_num_draft_tokens": p.num_draft_tokens, "speculative_policy": p.policy,

@@ -126,6 +126,17 @@ def test_greedy_lossless_eight_concurrent(engines, prompt_ids, algo):
     _assert_no_kv_leak(engine)
 
 
+def test_server_info_names_the_shipped_draft_and_map_in_use(engines):
+    """Left unset, the draft and the FR-Spec map are the engine's choice: /get_server_info says
+    which (the server's own arguments would show None)."""
+    from specserve.drafts import FRSPEC_TOKEN_MAP, shipped_draft
+
+    info = _engine_for(engines, "shipped EAGLE").engine.get_server_info()
+    assert info["speculative_draft_model_path"] == str(shipped_draft("EAGLE"))
+    assert info["speculative_token_map"] == str(FRSPEC_TOKEN_MAP)
+    assert engines["NGRAM"].engine.get_server_info()["speculative_token_map"] is None
+
+
 def test_ngram_copy_heavy_accepts_a_lot(engines):
     tok = engines["plain"].tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY_TEXT}]))
