@@ -64,7 +64,7 @@ def best_shapes(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _source(args: argparse.Namespace) -> str:
     policy = f" --speculative-policy {args.speculative_policy}" if args.speculative_policy else ""
-    kv_cache = f" --kv-cache-dtype {args.kv_cache_dtype}" if getattr(args, "kv_cache_dtype", None) else ""
+    kv_cache = f" --kv-cache-dtype {args.kv_cache_dtype}" if args.kv_cache_dtype else ""
     return (f"specserve bench shapes --algorithm {args.algorithm} --grid '{args.grid}'{policy}{kv_cache} "
             f"--threads {args.threads} "
             f"--num-prompts-per-file {args.num_prompts_per_file} --max-new-tokens {args.max_new_tokens}, "
