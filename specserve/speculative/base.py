@@ -18,9 +18,10 @@ import importlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
+from torch import Tensor
 
 from specserve.core import TokenResult
 from specserve.models.packed_linear import INTEGER_QUANTIZATION, Q8_ON_LOAD_QUANTIZATION
@@ -221,12 +222,12 @@ class SpecWorker:
         self._count_steps(items, trees)
         proposer = self.proposer
         if (proposer.catches_up_lazily or proposer.follows_plain_steps) and all(t.is_root_only for t in trees):
-            out = self._plain_step(engine, items, trees)
+            out, forward_seconds = self._plain_step(engine, items, trees)
             if not proposer.catches_up_lazily:
                 proposer.on_accepted(engine, items, trees, [AcceptResult([0], -1) for _ in items])
-            self.policy.observe_step([1] * len(items), time.perf_counter() - start)
+            self.policy.observe_step([1] * len(items), time.perf_counter() - start, forward_seconds)
             return out
-        logits = tv.verify_forward(engine, items, trees)
+        logits, forward_seconds = _timed(tv.verify_forward, engine, items, trees)
         logits = tv.ban_stop_tokens_before_min_new_tokens(items, trees, logits)
         results = tv.accept_trees(engine, items, trees, logits, self.params)
         emitted = [emitted_tokens(tree, res) for tree, res in zip(trees, results)]
@@ -239,15 +240,15 @@ class SpecWorker:
         # overhead that every drafting step pays it (EAGLE3 probes after 64 plain steps: 4-12 ms;
         # the learned overhead rose to ~4 ms and kept the head declined)
         seconds = time.perf_counter() - start - proposer.last_switch_seconds      # synced above
-        self.policy.observe_step([t.num_nodes for t in trees], seconds)
+        self.policy.observe_step([t.num_nodes for t in trees], seconds, forward_seconds)
         return out
 
-    def _plain_step(self, engine, items: list, trees: list[DraftTree]) -> dict[str, TokenResult]:
+    def _plain_step(self, engine, items: list, trees: list[DraftTree]) -> tuple[dict[str, TokenResult], float]:
         """Nobody speculates: the engine's decode forward and sampling; the unused slots
-        reserved for the trees go back to the pool."""
-        logits = engine.decode_forward(items)
+        reserved for the trees go back to the pool. Also returns the forward's seconds."""
+        logits, forward_seconds = _timed(engine.decode_forward, items)
         tv.keep_root_slots(engine, items, trees)
-        return engine.sample_one_each([item.req for item in items], logits)
+        return engine.sample_one_each([item.req for item in items], logits), forward_seconds
 
     def _plan(self, engine, items: list) -> list[DraftTree]:
         """One tree per item: the proposer's for the requests the policy picks, root-only otherwise."""
@@ -355,6 +356,15 @@ class SpecWorker:
         state = spec_state(req).policy
         return {"spec_policy": self.params.policy, "spec_drafted_steps": state.num_drafted_steps,
                 "spec_plain_steps": state.num_plain_steps}
+
+
+def _timed(forward: Callable[..., Tensor], *args) -> tuple[Tensor, float]:
+    """``forward(*args)`` (logits) and its seconds, the device synced (the policy's step costs)."""
+    began = time.perf_counter()
+    logits = forward(*args)
+    if logits.device.type == "cuda":
+        torch.cuda.synchronize(logits.device)
+    return logits, time.perf_counter() - began
 
 
 def max_tree_nodes(engine, item, num_draft_tokens: int) -> int:

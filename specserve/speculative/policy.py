@@ -37,7 +37,9 @@ decoding requests:
   backoff doubles (2, 4 ... PROBE_MAX_BACKOFF), a probe happens only if the
   request's tree (at its best size up to the full one) would be picked at this batch
   size once the probe is fully accepted (its rate judged from that probe alone, shrunk
-  towards the global rate: else the probe could never change a decision), and probes spend at most
+  towards the global rate: else the probe could never change a decision; a request's first
+  probe towards the neutral PRIOR_RATE, uncalibrated, as the global figures learn only from
+  the requests that were picked), and probes spend at most
   a budget share of the estimated step time (a credit that accrues each step; a request's
   first probe is not charged):
   0.5% when probes never succeed, up to 10% when they are all fully accepted (EMA
@@ -191,48 +193,81 @@ class StepCost:
     """Predicted seconds of one decode step with ``bs`` requests, ``width`` tokens, the widest
     request ``max_q`` tokens and ``k`` drafting requests:
 
-        scale * c(width) + pad * (bs * max_q - width) + [k > 0] * (d(k, max_q) + overhead)
+        scale * c(width) + pad * (bs * max_q - width) + host + [k > 0] * (d(k, max_q) + overhead)
 
-    ``c`` is the startup curve (one request of ``width`` tokens), ``d(k, n)`` the proposer's
-    drafting time for k requests whose largest tree has n nodes (a chain drafts only the tokens
-    it keeps, so short trees draft less); ``scale`` corrects it
-    for batches of one-token requests (EMA over plain steps), ``pad`` is the cost per
-    padded query row (attention pads every request to the widest one: ``bs * max_q -
-    width`` rows; EMA over padded speculative steps, prior PAD_PRIOR * the curve's slope).
-    ``overhead`` is what a speculative step costs beyond the curve and the drafts' startup
-    timing (EMA over unpadded speculative steps, prior 0): the host work of drafting and
-    verification, and forwards that run slower between other work than in a timing loop.
-    Measured on a 2-core AVX-512 VNNI Xeon, an EAGLE3 step cost ~1.5 ms more than that: ignored, the
-    policy kept speculating at 0.85x plain decoding. All three learn online from the step
-    times the worker reports (a drafting step's without its draft's catch-up on positions of
-    plain steps before it, ``Proposer.last_switch_seconds``: a one-off cost of switching on).
-    With a draft model (``SpecPolicy.warm_steps``), only steps where every drafting request has
-    drafted the ``warm_steps`` steps before too teach ``overhead`` and ``pad``: the first steps
+    ``c`` is the startup curve (the target's forward for one request of ``width`` tokens),
+    ``d(k, n)`` the proposer's drafting time for k requests whose largest tree has n nodes (a
+    chain drafts only the tokens it keeps, so short trees draft less). The worker reports each
+    step's time and its target forward's (``observe``); from those:
+
+    * ``scale`` is the forwards' time over the curve (EMA over every unpadded step, plain or
+      drafting): it follows the machine whether requests draft or not. It was learned from plain
+      steps alone; while every request drafted it stood still, so a slow spell of the machine
+      went into ``overhead`` (EAGLE3 on a 2-core Xeon: 0.55 ms after one, against ~0.1 steady),
+      which then kept the policy from drafting long after the spell, or one caught in a few plain
+      steps held ``scale`` at 1.28 for the rest of a run;
+    * ``host`` is a plain step's time outside the forward (EMA over plain steps);
+    * ``overhead`` is what a drafting step spends outside the forward beyond ``host`` and the
+      drafts' startup timing ``d`` (EMA over unpadded drafting steps, prior 0): the host work of
+      drafting and verification. Measured on a 2-core AVX-512 VNNI Xeon, an EAGLE3 step once cost
+      ~1.5 ms more than the curve and ``d``: ignored, the policy kept speculating at 0.85x plain;
+    * ``pad`` is the forward's cost per padded query row (attention pads every request to the
+      widest one: ``bs * max_q - width`` rows; EMA over padded drafting steps, prior PAD_PRIOR *
+      the curve's slope).
+
+    A drafting step's time excludes its draft's catch-up on positions of plain steps before it
+    (``Proposer.last_switch_seconds``: a one-off cost of switching on). With a draft model
+    (``SpecPolicy.warm_steps``), only steps where every drafting request has drafted the
+    ``warm_steps`` steps before too teach ``overhead``, ``pad`` and ``scale``: the first steps
     after plain ones also pay for a draft whose weights went cold (EAGLE3 (1,1,2) on a 2-core
     Xeon: residuals of 0.4-0.9 ms at the median against 0.2 for a request that keeps drafting,
     ~2 ms for a probe). Learned from those, which are most drafting steps where the policy
     declines, the overhead rose to 1.1-1.8 ms against a steady -0.1, and the policy kept
-    declining the head where, speculating every step, it ran 1.07x plain decoding."""
+    declining the head where, speculating every step, it ran 1.07x plain decoding. A step
+    reported without its forward's time counts as all forward: ``scale`` learns from plain
+    steps only, ``overhead`` from what drafting steps spend beyond the forward's estimate."""
 
     def __init__(self, curve: CostCurve, draft_cost: Callable[[int, int], float]) -> None:
         self.curve, self.draft_cost = curve, draft_cost
         self.scale = 1.0
         self.pad = PAD_PRIOR * curve.slope()
+        self.host = 0.0
         self.overhead = 0.0
 
     def __call__(self, bs: int, width: int, max_q: int, num_drafting: int) -> float:
         # never below the forward alone (the learned overhead may be negative): may_pick_any's bound
         draft = max(self.draft_cost(num_drafting, max_q) + self.overhead, 0.0) if num_drafting else 0.0
-        return self.scale * self.curve(width) + self.pad * (bs * max_q - width) + draft
+        return self.forward(width) + self.pad * (bs * max_q - width) + self.host + draft
+
+    def forward(self, width: int) -> float:
+        """The target's forward of ``width`` unpadded rows."""
+        return self.scale * self.curve(width)
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float,
-                is_warm: bool = True) -> None:
+                is_warm: bool = True, forward_seconds: float | None = None) -> None:
+        if max_q > 1 and not is_warm:
+            return
+        if forward_seconds is None:
+            self._observe_total(bs, width, max_q, num_drafting, seconds)
+            return
+        rows_padded = bs * max_q - width
         if max_q <= 1:
-            self.scale += COST_EMA_WEIGHT * (seconds / self.curve(bs) - self.scale)
+            self.host += COST_EMA_WEIGHT * (seconds - forward_seconds - self.host)
+        if rows_padded:
+            padded = max(forward_seconds - self.forward(width), 0.0)
+            self.pad += COST_EMA_WEIGHT * (padded / rows_padded - self.pad)
             return
-        if not is_warm:
+        self.scale += COST_EMA_WEIGHT * (forward_seconds / self.curve(width) - self.scale)
+        if max_q > 1:
+            outside = seconds - forward_seconds - self.host - self.draft_cost(num_drafting, max_q)
+            self.overhead += COST_EMA_WEIGHT * (outside - self.overhead)
+
+    def _observe_total(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
+        """``observe`` for a step reported without its forward's time."""
+        if max_q <= 1:
+            self.scale += COST_EMA_WEIGHT * ((seconds - self.host) / self.curve(bs) - self.scale)
             return
-        residual = seconds - self.scale * self.curve(width) - self.draft_cost(num_drafting, max_q)
+        residual = seconds - self.forward(width) - self.host - self.draft_cost(num_drafting, max_q)
         if bs * max_q == width:       # no padding (one request, or equal widths)
             self.overhead += COST_EMA_WEIGHT * (residual - self.overhead)
             return
@@ -362,10 +397,11 @@ class SpecPolicy:
                 best_n, best = n, value
         return best_n
 
-    def observe_step(self, sizes: list[int], seconds: float) -> None:
-        """Wall time of a decode step whose trees had ``sizes`` nodes (the last ``select``'s)."""
+    def observe_step(self, sizes: list[int], seconds: float, forward_seconds: float | None = None) -> None:
+        """Wall time of a decode step whose trees had ``sizes`` nodes (the last ``select``'s), and
+        of its target forward where the worker timed it."""
         self.cost.observe(len(sizes), sum(sizes), max(sizes), sum(n > 1 for n in sizes), seconds,
-                          self.last_step_is_warm)
+                          self.last_step_is_warm, forward_seconds)
 
     def may_pick_any(self, states: list[RequestPolicyState], nodes: list[int], depths: list[int]) -> bool:
         """Whether ``select`` could let a request with a history speculate, whatever trees of at
@@ -387,7 +423,7 @@ class SpecPolicy:
         threshold = (1.0 + (-KEEP_MARGIN if keeps else MARGIN)) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
         for width, gain in enumerate(gains, start=bs + 1):
-            seconds = self.cost.scale * self.cost.curve(width) + least_draft
+            seconds = self.cost.forward(width) + self.cost.host + least_draft
             if (tokens + remaining) / seconds <= threshold:     # no wider step can pass either
                 return False
             tokens, remaining = tokens + gain, remaining - gain
@@ -417,8 +453,8 @@ class SpecPolicy:
         if is_charged and self.cost(bs, bs + 1, 2, 1) - step_cost > credit:
             return False
         threshold = (1.0 + MARGIN) * self._plain_rate(bs)
-        return any(self._best_probe_case(bs, bs, 1, 0, cap, depth) > threshold
-                   for cap, depth in {(nodes[i], depths[i]) for i in due})
+        return any(self._best_probe_case(bs, bs, 1, 0, cap, depth, is_fresh) > threshold
+                   for cap, depth, is_fresh in {(nodes[i], depths[i], not states[i].has_history) for i in due})
 
     def _probe_accrual(self, step_cost: float, picked_share: float) -> float:
         """Probe credit a step of ``step_cost`` seconds adds: PROBE_BUDGET's share of it, from the
@@ -427,21 +463,34 @@ class SpecPolicy:
         return (low + (high - low) * self.probe_success * picked_share) * step_cost
 
     def _best_probe_case(self, bs: int, width: int, max_q: int, num_drafting: int, max_nodes: int,
-                         max_depth: int) -> float:
+                         max_depth: int, is_fresh: bool = False) -> float:
         """Tokens per second of this step (``width`` rows, widest ``max_q``, ``num_drafting`` others
         drafting) with a request that fully accepted a probe of min(max_nodes, PROBE_NODES) nodes
         taking its tree at the best size of 2..max_nodes nodes (depth <= max_depth). ``_probe``'s
         test, and ``may_probe``'s bound for any tree within a cap of ``max_nodes`` (a smaller
-        tree's probe shows less)."""
+        tree's probe shows less). ``is_fresh``: the request has no history (``_hopeful_alpha``)."""
         probe_nodes = min(max_nodes, PROBE_NODES)
-        return max((bs + self._hopeful_alpha(probe_nodes, min(n - 1, max_depth)) - 1.0)
+        return max((bs + self._hopeful_alpha(probe_nodes, min(n - 1, max_depth), is_fresh) - 1.0)
                    / self.cost(bs, width + n - 1, max(max_q, n), num_drafting + 1) for n in range(2, max_nodes + 1))
 
-    def _hopeful_alpha(self, probe_nodes: int, depth: int) -> float:
+    def _hopeful_alpha(self, probe_nodes: int, depth: int, is_fresh: bool = False) -> float:
         """Calibrated expected tokens of a depth-``depth`` tree for a request whose only history is
-        one fully accepted probe of ``probe_nodes`` nodes (all a probe can show)."""
+        one fully accepted probe of ``probe_nodes`` nodes (all a probe can show). A fresh request
+        (no verify yet) is judged by the better of that and the neutral prior (PRIOR_RATE,
+        uncalibrated): the global rate and calibration learn only from verifies, from the requests
+        that were picked, so where earlier requests pulled them down nobody was probed again and
+        they stayed down.
+        Replayed (EAGLE3 (1,1,2): 8 chat requests at an acceptance of 0.34, then alpaca 0.45, gsm8k
+        0.63, code 0.59; a drafting step 1.4 plain ones), the policy then declined every later
+        request: 1.00x plain where drafting every step gave 1.06x (gsm8k 1.16x); judged this way,
+        1.06x (gsm8k 1.14x, chat 0.99x). Where drafting never pays (a step of 1.6 plain ones), this
+        costs ~0.4%: one probe a request."""
         hopeful = RequestPolicyState(accepted=float(probe_nodes - 1))
-        return 1.0 + self.calibration * (expected_tokens(self.rate(hopeful), depth) - 1.0)
+        alpha = 1.0 + self.calibration * (expected_tokens(self.rate(hopeful), depth) - 1.0)
+        if not is_fresh:
+            return alpha
+        neutral = (probe_nodes - 1 + PRIOR_WEIGHT * PRIOR_RATE) / (probe_nodes - 1 + PRIOR_WEIGHT)
+        return max(alpha, expected_tokens(neutral, depth))
 
     @staticmethod
     def probe_order(states: list[RequestPolicyState], nodes: list[int]) -> list[int]:
@@ -509,7 +558,7 @@ class SpecPolicy:
         is_first = not states[i].has_history          # a request's first probe is not charged
         if not is_first and extra > self.probe_credit:
             return          # no credit: the best case need not be weighed
-        best_case = self._best_probe_case(bs, width, max_q, num_drafting, nodes[i], depths[i])
+        best_case = self._best_probe_case(bs, width, max_q, num_drafting, nodes[i], depths[i], is_first)
         if best_case > (1.0 + MARGIN) * self._plain_rate(bs):
             sizes[i] = size
             self.probe_credit -= 0.0 if is_first else extra

@@ -178,9 +178,9 @@ def test_a_catch_up_over_plain_steps_is_not_learned_as_step_overhead(tiny, algo)
 
     observe, decode_step = worker.policy.observe_step, worker.decode_step
 
-    def recording(sizes, seconds):
+    def recording(sizes, seconds, forward_seconds=None):
         observed.append((max(sizes), seconds, worker.proposer.last_switch_seconds))
-        return observe(sizes, seconds)
+        return observe(sizes, seconds, forward_seconds)
 
     def timed(*args):
         began = time.perf_counter()

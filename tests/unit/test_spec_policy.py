@@ -484,3 +484,82 @@ def test_a_step_with_nothing_to_draft_updates_the_policy_as_weighing_would():
             if name != "cost":
                 assert getattr(fast_policy, name) == value, (trial, name)
         assert fast_states == states, trial
+
+
+# a CPU's verify curve in plain steps (W=1..8, 2-core AVX-512 Xeon, `bench verify-cost`)
+CPU_CURVE = CostCurve([1, 2, 3, 4, 8], [1.0, 1.12, 1.27, 1.39, 2.12])
+
+
+def test_a_fresh_request_probes_where_earlier_requests_pulled_the_estimates_down():
+    """Chat requests left the global rate at 0.2 and the calibration at 0.6: a fresh request is
+    still probed (judged by the neutral prior), while one whose own probe failed waits for credit."""
+    policy = SpecPolicy(CPU_CURVE, lambda k, n: 0.2, num_draft_tokens=2, warm_steps=2)
+    policy.accepted, policy.rejected = 0.2 * 20, 0.8 * 20
+    policy.realized_extra, policy.predicted_extra = 6.0, 10.0
+    policy.probe_credit = 0.0
+    fresh = RequestPolicyState()
+    assert policy.may_probe([fresh], [2], [1])
+    assert policy.select([fresh], [2], [1]) == [2]
+    policy.observe(fresh, 0, 1)
+    assert [policy.select([fresh], [2], [1])[0] for _ in range(20)] == [1] * 20
+
+
+def _replay(policy, rates, rng, steps_per_request=100, step_seconds=1.4):
+    """Requests in turn, one at a time, each ``steps_per_request`` decode steps with a (1,1,2)
+    chain accepted with probability ``rates[i]``: the share of each request's steps that drafted."""
+    shares = []
+    for rate in rates:
+        state, drafted = RequestPolicyState(), 0
+        for _ in range(steps_per_request):
+            can_pick = policy.may_pick_any([state], [2], [1])
+            sizes = policy.select([state], [2], [1], can_pick)
+            if sizes[0] > 1:
+                drafted += 1
+                policy.observe(state, int(rng.random() < rate), 1)
+            policy.observe_step(sizes, step_seconds if sizes[0] > 1 else 1.0)
+        shares.append(drafted / steps_per_request)
+    return shares
+
+
+def test_requests_that_accept_well_draft_after_a_stretch_that_did_not():
+    """Eight chat-like requests (acceptance 0.3, where drafting does not pay) and then eight
+    math-like ones (0.7, where it pays by ~20%): the math requests draft most of their steps
+    (the global estimates the chat ones left behind once kept every later request plain)."""
+    import random
+
+    policy = SpecPolicy(CPU_CURVE, lambda k, n: 0.2, num_draft_tokens=2, warm_steps=2)
+    shares = _replay(policy, [0.3] * 8 + [0.7] * 8, random.Random(0))
+    assert sum(shares[:8]) / 8 < 0.3, shares
+    assert sum(shares[8:]) / 8 > 0.5, shares
+
+
+def test_step_cost_learns_a_plain_steps_host_work_beside_its_forward():
+    """Steps reported with their forward's time: ``scale`` from the forwards, ``host`` from what
+    a plain step spends outside it, and every estimate carries ``host``."""
+    policy = SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4)
+    for _ in range(100):
+        policy.observe_step([1], 2 * LINEAR(1) + 3.0, 2 * LINEAR(1))
+    assert abs(policy.cost.scale - 2.0) < 0.01 and abs(policy.cost.host - 3.0) < 0.01
+    assert abs(policy.cost(1, 1, 1, 0) - (2 * LINEAR(1) + 3.0)) < 0.01
+    assert abs(policy.cost(1, 4, 4, 1) - (2 * LINEAR(4) + 3.0 + 1.0)) < 0.01
+
+
+def test_a_slow_spell_while_every_request_drafts_moves_the_scale_not_the_overhead():
+    """The machine runs 1.6x slower while the only request drafts every step (its steps: the
+    forward, a plain step's host work, the draft and 2 ms more, all 1.6x): reported with its
+    forward, the spell moves ``scale``, and ``overhead`` takes only the host work's share (4.4 ms
+    where 2 are real); reported as one figure, the forward's share went into ``overhead`` too
+    (where, once the request stopped drafting, it stayed)."""
+    def slow_drafting_steps(policy, with_forward):
+        for _ in range(100):
+            policy.observe_step([1], LINEAR(1) + 1.0, LINEAR(1) if with_forward else None)
+        for _ in range(100):
+            forward = 1.6 * LINEAR(4)
+            policy.observe_step([4], forward + 1.6 * (1.0 + 1.0 + 2.0), forward if with_forward else None)
+        return policy.cost
+
+    split = slow_drafting_steps(SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4), True)
+    assert abs(split.scale - 1.6) < 0.01 and abs(split.overhead - (1.6 * 4.0 - 2.0)) < 0.05
+    whole = slow_drafting_steps(SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4), False)
+    assert abs(whole.scale - (LINEAR(1) + 1.0) / LINEAR(1)) < 0.01          # the plain steps' alone
+    assert whole.overhead > split.overhead + 0.5 * LINEAR(4)
