@@ -193,19 +193,21 @@ class StepCost:
     """Predicted seconds of one decode step with ``bs`` requests, ``width`` tokens, the widest
     request ``max_q`` tokens and ``k`` drafting requests:
 
-        scale * c(width) + pad * (bs * max_q - width) + host + [k > 0] * (d(k, max_q) + overhead)
+        scale * (c(width) + pad * (bs * max_q - width) + host + [k > 0] * (d(k, max_q) + overhead))
 
     ``c`` is the startup curve (the target's forward for one request of ``width`` tokens),
     ``d(k, n)`` the proposer's drafting time for k requests whose largest tree has n nodes (a
-    chain drafts only the tokens it keeps, so short trees draft less). The worker reports each
-    step's time and its target forward's (``observe``); from those:
+    chain drafts only the tokens it keeps, so short trees draft less). Every term but ``scale``
+    is in the machine's time at startup: ``scale`` is how much slower it runs now, and a slow
+    spell slows the host's work as much as the forward's. The worker reports each step's time
+    and its target forward's (``observe``); from those:
 
     * ``scale`` is the forwards' time over the curve (EMA over every unpadded step, plain or
-      drafting): it follows the machine whether requests draft or not. It was learned from plain
-      steps alone; while every request drafted it stood still, so a slow spell of the machine
-      went into ``overhead`` (EAGLE3 on a 2-core Xeon: 0.55 ms after one, against ~0.1 steady),
-      which then kept the policy from drafting long after the spell, or one caught in a few plain
-      steps held ``scale`` at 1.28 for the rest of a run;
+      drafting), so it follows the machine whether requests draft or not. Learned from whole
+      plain steps alone, it stood still while every request drafted, and a slow spell went into
+      ``overhead`` (EAGLE3 on a 2-core Xeon: 0.55 ms after one, against ~0.1 steady), which kept
+      the policy from drafting long after the spell; or a spell caught in a few plain steps held
+      ``scale`` at 1.28 for the rest of a run;
     * ``host`` is a plain step's time outside the forward (EMA over plain steps);
     * ``overhead`` is what a drafting step spends outside the forward beyond ``host`` and the
       drafts' startup timing ``d`` (EMA over unpadded drafting steps, prior 0): the host work of
@@ -237,11 +239,11 @@ class StepCost:
     def __call__(self, bs: int, width: int, max_q: int, num_drafting: int) -> float:
         # never below the forward alone (the learned overhead may be negative): may_pick_any's bound
         draft = max(self.draft_cost(num_drafting, max_q) + self.overhead, 0.0) if num_drafting else 0.0
-        return self.forward(width) + self.pad * (bs * max_q - width) + self.host + draft
+        return self.scale * (self.curve(width) + self.pad * (bs * max_q - width) + self.host + draft)
 
-    def forward(self, width: int) -> float:
-        """The target's forward of ``width`` unpadded rows."""
-        return self.scale * self.curve(width)
+    def least(self, width: int) -> float:
+        """A lower bound on any step of ``width`` rows with a draft: no padding, the cheapest draft."""
+        return self.scale * (self.curve(width) + self.host + max(self.draft_cost(1, 2) + self.overhead, 0.0))
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float,
                 is_warm: bool = True, forward_seconds: float | None = None) -> None:
@@ -251,23 +253,24 @@ class StepCost:
             self._observe_total(bs, width, max_q, num_drafting, seconds)
             return
         rows_padded = bs * max_q - width
-        if max_q <= 1:
-            self.host += COST_EMA_WEIGHT * (seconds - forward_seconds - self.host)
         if rows_padded:
-            padded = max(forward_seconds - self.forward(width), 0.0)
+            padded = max(forward_seconds / self.scale - self.curve(width), 0.0)
             self.pad += COST_EMA_WEIGHT * (padded / rows_padded - self.pad)
             return
         self.scale += COST_EMA_WEIGHT * (forward_seconds / self.curve(width) - self.scale)
-        if max_q > 1:
-            outside = seconds - forward_seconds - self.host - self.draft_cost(num_drafting, max_q)
-            self.overhead += COST_EMA_WEIGHT * (outside - self.overhead)
+        outside = (seconds - forward_seconds) / self.scale
+        if max_q <= 1:
+            self.host += COST_EMA_WEIGHT * (outside - self.host)
+        else:
+            extra = outside - self.host - self.draft_cost(num_drafting, max_q)
+            self.overhead += COST_EMA_WEIGHT * (extra - self.overhead)
 
     def _observe_total(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
         """``observe`` for a step reported without its forward's time."""
         if max_q <= 1:
-            self.scale += COST_EMA_WEIGHT * ((seconds - self.host) / self.curve(bs) - self.scale)
+            self.scale += COST_EMA_WEIGHT * (seconds / (self.curve(bs) + self.host) - self.scale)
             return
-        residual = seconds - self.forward(width) - self.host - self.draft_cost(num_drafting, max_q)
+        residual = seconds / self.scale - self.curve(width) - self.host - self.draft_cost(num_drafting, max_q)
         if bs * max_q == width:       # no padding (one request, or equal widths)
             self.overhead += COST_EMA_WEIGHT * (residual - self.overhead)
             return
@@ -416,14 +419,13 @@ class SpecPolicy:
             return True
         bs = len(states)
         calibration = self.calibration
-        least_draft = max(self.cost.draft_cost(1, 2) + self.cost.overhead, 0.0)
         rates = [(self.rate(s), depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
         gains = sorted((calibration * rate ** d for rate, depth in rates for d in range(1, depth + 1)), reverse=True)
         keeps = any(n > 1 and s.has_history and self._keeps_drafting(s) for s, n in zip(states, nodes))
         threshold = (1.0 + (-KEEP_MARGIN if keeps else MARGIN)) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
         for width, gain in enumerate(gains, start=bs + 1):
-            seconds = self.cost.forward(width) + self.cost.host + least_draft
+            seconds = self.cost.least(width)
             if (tokens + remaining) / seconds <= threshold:     # no wider step can pass either
                 return False
             tokens, remaining = tokens + gain, remaining - gain

@@ -117,7 +117,7 @@ def test_step_cost_learns_scale_and_padding():
     assert abs(policy.cost.scale - 2.0) < 0.01
     for _ in range(100):
         policy.observe_step([12] + [1] * 15, 2 * LINEAR(27) + 15 * 11 * 0.5)
-    assert abs(policy.cost.pad - 0.5) < 0.01
+    assert abs(policy.cost.scale * policy.cost.pad - 0.5) < 0.01      # pad in the machine's time at startup
     assert abs(policy.cost(16, 27, 12, 1) - (2 * LINEAR(27) + 82.5)) < 0.1
     assert abs(policy.cost(1, 12, 12, 1) - 2 * LINEAR(12)) < 0.05     # one request: no padding
 
@@ -534,22 +534,22 @@ def test_requests_that_accept_well_draft_after_a_stretch_that_did_not():
 
 
 def test_step_cost_learns_a_plain_steps_host_work_beside_its_forward():
-    """Steps reported with their forward's time: ``scale`` from the forwards, ``host`` from what
-    a plain step spends outside it, and every estimate carries ``host``."""
+    """Steps reported with their forward's time, on a machine twice as slow as at startup:
+    ``scale`` from the forwards, ``host`` from what a plain step spends outside it (in the
+    startup machine's time, as the draft's), and every estimate carries ``host``."""
     policy = SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4)
     for _ in range(100):
         policy.observe_step([1], 2 * LINEAR(1) + 3.0, 2 * LINEAR(1))
-    assert abs(policy.cost.scale - 2.0) < 0.01 and abs(policy.cost.host - 3.0) < 0.01
+    assert abs(policy.cost.scale - 2.0) < 0.01 and abs(policy.cost.host - 1.5) < 0.01
     assert abs(policy.cost(1, 1, 1, 0) - (2 * LINEAR(1) + 3.0)) < 0.01
-    assert abs(policy.cost(1, 4, 4, 1) - (2 * LINEAR(4) + 3.0 + 1.0)) < 0.01
+    assert abs(policy.cost(1, 4, 4, 1) - (2 * LINEAR(4) + 3.0 + 2 * 1.0)) < 0.01
 
 
 def test_a_slow_spell_while_every_request_drafts_moves_the_scale_not_the_overhead():
     """The machine runs 1.6x slower while the only request drafts every step (its steps: the
     forward, a plain step's host work, the draft and 2 ms more, all 1.6x): reported with its
-    forward, the spell moves ``scale``, and ``overhead`` takes only the host work's share (4.4 ms
-    where 2 are real); reported as one figure, the forward's share went into ``overhead`` too
-    (where, once the request stopped drafting, it stayed)."""
+    forward, the spell moves ``scale`` and ``overhead`` stays 2 ms; reported as one figure, the
+    spell went into ``overhead`` (where, once the request stopped drafting, it stayed)."""
     def slow_drafting_steps(policy, with_forward):
         for _ in range(100):
             policy.observe_step([1], LINEAR(1) + 1.0, LINEAR(1) if with_forward else None)
@@ -559,7 +559,7 @@ def test_a_slow_spell_while_every_request_drafts_moves_the_scale_not_the_overhea
         return policy.cost
 
     split = slow_drafting_steps(SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4), True)
-    assert abs(split.scale - 1.6) < 0.01 and abs(split.overhead - (1.6 * 4.0 - 2.0)) < 0.05
+    assert abs(split.scale - 1.6) < 0.01 and abs(split.overhead - 2.0) < 0.05
     whole = slow_drafting_steps(SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4), False)
     assert abs(whole.scale - (LINEAR(1) + 1.0) / LINEAR(1)) < 0.01          # the plain steps' alone
-    assert whole.overhead > split.overhead + 0.5 * LINEAR(4)
+    assert whole.overhead > split.overhead + 0.4 * LINEAR(4)
