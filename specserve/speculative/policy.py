@@ -78,8 +78,7 @@ PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 2.0           # pseudo-verifies of the global rate in a request's estimate
 CALIBRATION_PRIOR = 2.0      # pseudo extra tokens, realized = predicted
 COST_EMA_WEIGHT = 0.1
-KAPPA_RECENT = 8             # warm drafting steps after a plain one that teach kappa (then scale)
-KAPPA_RANGE = (1.0, 1.2)     # measured 1.01 (EAGLE3) to 1.06-1.15 (STANDALONE); more is a slow spell
+KAPPA_RECENT = 8             # drafting steps after a plain one that teach kappa (then scale)
 PROBE_EMA_WEIGHT = 0.1
 PICKED_EMA_WEIGHT = 0.05     # per step, on the share of requests the policy lets speculate
 PAD_PRIOR = 0.1            # padded query row cost, as a share of a token's (curve slope)
@@ -260,40 +259,29 @@ class StepCost:
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float,
                 is_warm: bool = True, forward_seconds: float | None = None) -> None:
+        if max_q > 1 and not is_warm:
+            return
         if forward_seconds is None:
-            if max_q <= 1 or is_warm:
-                self._observe_total(bs, width, max_q, num_drafting, seconds)
-        elif max_q <= 1:
+            self._observe_total(bs, width, max_q, num_drafting, seconds)
+            return
+        if max_q <= 1:
             self.steps_since_plain = 0
-            self.scale = _toward(self.scale, forward_seconds / self.curve(bs))
-            self.host = _toward(self.host, (seconds - forward_seconds) / self.scale)
-        elif bs * max_q != width:
-            if is_warm:
-                padded = max(forward_seconds / self.scale - self.kappa * self.curve(width), 0.0)
-                self.pad = _toward(self.pad, padded / (bs * max_q - width))
-        else:
-            self._observe_drafting(width, max_q, num_drafting, seconds, forward_seconds, is_warm)
-
-    def _observe_drafting(self, width: int, max_q: int, num_drafting: int, seconds: float,
-                          forward_seconds: float, is_warm: bool) -> None:
-        """An unpadded drafting step: ``kappa`` (in the KAPPA_RECENT warm steps after a plain one,
-        within KAPPA_RANGE) or ``scale``, and ``overhead``. A cold step (a draft model's first
-        after plain ones, with one-off costs) may only lower ``kappa`` and ``overhead``: an
-        estimate it undercuts is too high, and would otherwise stay so while the policy, misled
-        by it, lets nobody draft warm steps again."""
-        kappa = forward_seconds / self.curve(width) / self.scale
-        extra = (seconds - forward_seconds) / self.scale - self.host - self.draft_cost(num_drafting, max_q)
-        if not is_warm:
-            self.kappa = min(self.kappa, max(_toward(self.kappa, kappa), KAPPA_RANGE[0]))
-            self.overhead = min(self.overhead, _toward(self.overhead, extra))
+            self.scale += COST_EMA_WEIGHT * (forward_seconds / self.curve(bs) - self.scale)
+            self.host += COST_EMA_WEIGHT * ((seconds - forward_seconds) / self.scale - self.host)
             return
         self.steps_since_plain += 1
+        rows_padded = bs * max_q - width
+        if rows_padded:
+            padded = max(forward_seconds / self.scale - self.kappa * self.curve(width), 0.0)
+            self.pad += COST_EMA_WEIGHT * (padded / rows_padded - self.pad)
+            return
+        slowdown = forward_seconds / self.curve(width)            # scale * kappa
         if self.steps_since_plain <= KAPPA_RECENT:
-            self.kappa = min(max(_toward(self.kappa, kappa), KAPPA_RANGE[0]), KAPPA_RANGE[1])
+            self.kappa += COST_EMA_WEIGHT * (slowdown / self.scale - self.kappa)
         else:
-            self.scale = _toward(self.scale, self.scale * kappa / self.kappa)
+            self.scale += COST_EMA_WEIGHT * (slowdown / self.kappa - self.scale)
         extra = (seconds - forward_seconds) / self.scale - self.host - self.draft_cost(num_drafting, max_q)
-        self.overhead = _toward(self.overhead, extra)
+        self.overhead += COST_EMA_WEIGHT * (extra - self.overhead)
 
     def _observe_total(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
         """``observe`` for a step reported without its forward's time."""
@@ -306,11 +294,6 @@ class StepCost:
             return
         padded = max(residual - self.overhead, 0.0)
         self.pad += COST_EMA_WEIGHT * (padded / (bs * max_q - width) - self.pad)
-
-
-def _toward(value: float, observed: float) -> float:
-    """One step of the cost figures' exponential moving average."""
-    return value + COST_EMA_WEIGHT * (observed - value)
 
 
 def expected_tokens(rate: float, depth: int) -> float:

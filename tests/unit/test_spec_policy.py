@@ -1,7 +1,7 @@
 """The speculation policy on synthetic cost curves."""
 from __future__ import annotations
 
-from specserve.speculative.policy import (KAPPA_RANGE, KEEP_MARGIN, MARGIN, PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve,
+from specserve.speculative.policy import (KEEP_MARGIN, MARGIN, PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve,
                                    RequestPolicyState, SpecPolicy, expected_tokens, measure_cost_curve)
 
 # memory-bound up to 16 tokens, then linear (a GPU-like curve, in ms)
@@ -571,22 +571,3 @@ def test_a_slow_spell_while_every_request_drafts_moves_the_scale_not_the_overhea
     whole = slow_drafting_steps(SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4), False)
     assert abs(whole.scale - (LINEAR(1) + 1.0) / LINEAR(1)) < 0.01          # the plain steps' alone
     assert whole.overhead > split.overhead + 0.5 * LINEAR(4)
-
-
-def test_cold_drafting_steps_only_lower_the_drafting_costs():
-    """A draft model's first steps after plain ones carry one-off costs: they teach nothing that
-    raises the estimates, but where they cost less than ``kappa`` and ``overhead`` say, those
-    were too high (learned in a slow spell, and frozen once the policy stopped drafting)."""
-    policy = SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4, warm_steps=2)
-    policy.cost.kappa, policy.cost.overhead = 1.2, 5.0
-    policy.last_step_is_warm = False
-    for _ in range(50):                                            # cold and dearer: no change
-        policy.observe_step([4], 1.3 * LINEAR(4) + 1.0 + 8.0, 1.3 * LINEAR(4))
-    assert (policy.cost.kappa, policy.cost.overhead) == (1.2, 5.0)
-    for _ in range(50):                                            # cold and cheaper: lowered
-        policy.observe_step([4], LINEAR(4) + 1.0 + 2.0, LINEAR(4))
-    assert abs(policy.cost.kappa - 1.0) < 0.01 and abs(policy.cost.overhead - 2.0) < 0.05
-    policy.last_step_is_warm = True
-    for _ in range(8):                                             # warm, in a slow spell: capped
-        policy.observe_step([4], 2.0 * LINEAR(4) + 2.0, 2.0 * LINEAR(4))
-    assert policy.cost.kappa == KAPPA_RANGE[1]
