@@ -78,7 +78,6 @@ PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 2.0           # pseudo-verifies of the global rate in a request's estimate
 CALIBRATION_PRIOR = 2.0      # pseudo extra tokens, realized = predicted
 COST_EMA_WEIGHT = 0.1
-KAPPA_RECENT = 8             # drafting steps after a plain one that teach kappa (then scale)
 PROBE_EMA_WEIGHT = 0.1
 PICKED_EMA_WEIGHT = 0.05     # per step, on the share of requests the policy lets speculate
 PAD_PRIOR = 0.1            # padded query row cost, as a share of a token's (curve slope)
@@ -194,8 +193,7 @@ class StepCost:
     """Predicted seconds of one decode step with ``bs`` requests, ``width`` tokens, the widest
     request ``max_q`` tokens and ``k`` drafting requests:
 
-        scale * (c(width) * [k > 0: kappa] + pad * (bs * max_q - width) + host
-                 + [k > 0] * (d(k, max_q) + overhead))
+        scale * (c(width) + pad * (bs * max_q - width) + host + [k > 0] * (d(k, max_q) + overhead))
 
     ``c`` is the startup curve (the target's forward for one request of ``width`` tokens),
     ``d(k, n)`` the proposer's drafting time for k requests whose largest tree has n nodes (a
@@ -204,17 +202,12 @@ class StepCost:
     spell slows the host's work as much as the forward's. The worker reports each step's time
     and its target forward's (``observe``); from those:
 
-    * ``scale`` is the plain forwards' time over the curve (EMA over plain steps), and while
-      requests draft, over KAPPA_RECENT steps since the last plain one, the drafting forwards'
-      over ``kappa`` times the curve: it follows the machine whether requests draft or not.
-      Learned from whole plain steps alone, it stood still while every request drafted, and a
-      slow spell went into ``overhead`` (EAGLE3 on a 2-core Xeon: 0.55 ms after one, against
-      ~0.1 steady), which kept the policy from drafting long after the spell;
-    * ``kappa`` is how much slower a drafting step's forward runs than a plain one's (the draft
-      displaced the target's weights and K/V from the caches), learned over the KAPPA_RECENT
-      steps after a plain one, where ``scale`` is fresh (prior 1). Taken as the machine's, it
-      made a STANDALONE step look 1.27x a plain one where it took 1.42x (2-core Xeon): its
-      forward ran 1.15x slower after the draft model's;
+    * ``scale`` is the forwards' time over the curve (EMA over every unpadded step, plain or
+      drafting), so it follows the machine whether requests draft or not. Learned from whole
+      plain steps alone, it stood still while every request drafted, and a slow spell went into
+      ``overhead`` (EAGLE3 on a 2-core Xeon: 0.55 ms after one, against ~0.1 steady), which kept
+      the policy from drafting long after the spell; or a spell caught in a few plain steps held
+      ``scale`` at 1.28 for the rest of a run;
     * ``host`` is a plain step's time outside the forward (EMA over plain steps);
     * ``overhead`` is what a drafting step spends outside the forward beyond ``host`` and the
       drafts' startup timing ``d`` (EMA over unpadded drafting steps, prior 0): the host work of
@@ -239,23 +232,18 @@ class StepCost:
     def __init__(self, curve: CostCurve, draft_cost: Callable[[int, int], float]) -> None:
         self.curve, self.draft_cost = curve, draft_cost
         self.scale = 1.0
-        self.kappa = 1.0
         self.pad = PAD_PRIOR * curve.slope()
         self.host = 0.0
         self.overhead = 0.0
-        self.steps_since_plain = 0
 
     def __call__(self, bs: int, width: int, max_q: int, num_drafting: int) -> float:
-        if not num_drafting:
-            return self.scale * (self.curve(width) + self.pad * (bs * max_q - width) + self.host)
         # never below the forward alone (the learned overhead may be negative): may_pick_any's bound
-        draft = max(self.draft_cost(num_drafting, max_q) + self.overhead, 0.0)
-        return self.scale * (self.kappa * self.curve(width) + self.pad * (bs * max_q - width) + self.host + draft)
+        draft = max(self.draft_cost(num_drafting, max_q) + self.overhead, 0.0) if num_drafting else 0.0
+        return self.scale * (self.curve(width) + self.pad * (bs * max_q - width) + self.host + draft)
 
     def least(self, width: int) -> float:
         """A lower bound on any step of ``width`` rows with a draft: no padding, the cheapest draft."""
-        draft = max(self.draft_cost(1, 2) + self.overhead, 0.0)
-        return self.scale * (self.kappa * self.curve(width) + self.host + draft)
+        return self.scale * (self.curve(width) + self.host + max(self.draft_cost(1, 2) + self.overhead, 0.0))
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float,
                 is_warm: bool = True, forward_seconds: float | None = None) -> None:
@@ -264,24 +252,18 @@ class StepCost:
         if forward_seconds is None:
             self._observe_total(bs, width, max_q, num_drafting, seconds)
             return
-        if max_q <= 1:
-            self.steps_since_plain = 0
-            self.scale += COST_EMA_WEIGHT * (forward_seconds / self.curve(bs) - self.scale)
-            self.host += COST_EMA_WEIGHT * ((seconds - forward_seconds) / self.scale - self.host)
-            return
-        self.steps_since_plain += 1
         rows_padded = bs * max_q - width
         if rows_padded:
-            padded = max(forward_seconds / self.scale - self.kappa * self.curve(width), 0.0)
+            padded = max(forward_seconds / self.scale - self.curve(width), 0.0)
             self.pad += COST_EMA_WEIGHT * (padded / rows_padded - self.pad)
             return
-        slowdown = forward_seconds / self.curve(width)            # scale * kappa
-        if self.steps_since_plain <= KAPPA_RECENT:
-            self.kappa += COST_EMA_WEIGHT * (slowdown / self.scale - self.kappa)
+        self.scale += COST_EMA_WEIGHT * (forward_seconds / self.curve(width) - self.scale)
+        outside = (seconds - forward_seconds) / self.scale
+        if max_q <= 1:
+            self.host += COST_EMA_WEIGHT * (outside - self.host)
         else:
-            self.scale += COST_EMA_WEIGHT * (slowdown / self.kappa - self.scale)
-        extra = (seconds - forward_seconds) / self.scale - self.host - self.draft_cost(num_drafting, max_q)
-        self.overhead += COST_EMA_WEIGHT * (extra - self.overhead)
+            extra = outside - self.host - self.draft_cost(num_drafting, max_q)
+            self.overhead += COST_EMA_WEIGHT * (extra - self.overhead)
 
     def _observe_total(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float) -> None:
         """``observe`` for a step reported without its forward's time."""

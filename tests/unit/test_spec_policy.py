@@ -546,28 +546,20 @@ def test_step_cost_learns_a_plain_steps_host_work_beside_its_forward():
 
 
 def test_a_slow_spell_while_every_request_drafts_moves_the_scale_not_the_overhead():
-    """The only request drafts in runs, its forward 1.1x a plain one's (the draft displaced the
-    target's data), its steps spending a plain step's host work, the draft and 2 ms more
-    besides; then the machine runs 1.6x slower through a long run. Reported with its forward,
-    the runs' first steps teach ``kappa`` (1.1), the spell moves ``scale``, ``overhead`` stays 2 ms and a
-    drafting step's estimate follows the machine; reported as one figure, the spell went into
-    ``overhead`` (where, once the request stopped drafting, it stayed)."""
-    def drafting_steps(policy, num_steps, slow, with_forward):
-        for _ in range(num_steps):
-            forward = slow * 1.1 * LINEAR(4)
-            policy.observe_step([4], forward + slow * (1.0 + 1.0 + 2.0), forward if with_forward else None)
-
+    """The machine runs 1.6x slower while the only request drafts every step (its steps: the
+    forward, a plain step's host work, the draft and 2 ms more, all 1.6x): reported with its
+    forward, the spell moves ``scale`` and ``overhead`` stays 2 ms; reported as one figure, the
+    spell went into ``overhead`` (where, once the request stopped drafting, it stayed)."""
     def slow_drafting_steps(policy, with_forward):
-        for _ in range(8):                    # the policy switching now and then: runs of each
-            for _ in range(10):
-                policy.observe_step([1], LINEAR(1) + 1.0, LINEAR(1) if with_forward else None)
-            drafting_steps(policy, 20, 1.0, with_forward)
-        drafting_steps(policy, 100, 1.6, with_forward)
+        for _ in range(100):
+            policy.observe_step([1], LINEAR(1) + 1.0, LINEAR(1) if with_forward else None)
+        for _ in range(100):
+            forward = 1.6 * LINEAR(4)
+            policy.observe_step([4], forward + 1.6 * (1.0 + 1.0 + 2.0), forward if with_forward else None)
         return policy.cost
 
     split = slow_drafting_steps(SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4), True)
-    assert abs(split.kappa - 1.1) < 0.01 and abs(split.scale - 1.6) < 0.01 and abs(split.overhead - 2.0) < 0.05
-    assert abs(split(1, 4, 4, 1) - 1.6 * (1.1 * LINEAR(4) + 4.0)) < 0.05
+    assert abs(split.scale - 1.6) < 0.01 and abs(split.overhead - 2.0) < 0.05
     whole = slow_drafting_steps(SpecPolicy(LINEAR, lambda k, n: 1.0, num_draft_tokens=4), False)
     assert abs(whole.scale - (LINEAR(1) + 1.0) / LINEAR(1)) < 0.01          # the plain steps' alone
-    assert whole.overhead > split.overhead + 0.5 * LINEAR(4)
+    assert whole.overhead > split.overhead + 0.4 * LINEAR(4)
