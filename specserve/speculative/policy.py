@@ -207,7 +207,11 @@ class StepCost:
       plain steps alone, it stood still while every request drafted, and a slow spell went into
       ``overhead`` (EAGLE3 on a 2-core Xeon: 0.55 ms after one, against ~0.1 steady), which kept
       the policy from drafting long after the spell; or a spell caught in a few plain steps held
-      ``scale`` at 1.28 for the rest of a run;
+      ``scale`` at 1.28 for the rest of a run. What it misses: a drafting step's forward runs
+      slower than a plain one's where the draft displaced the target's data from the caches,
+      and ``scale`` takes that for the machine (STANDALONE on a 2-core Xeon: its step estimated
+      at 1.27x a plain one where it took 1.42x). A factor for it learned in the steps after a
+      plain one was tried: a slow spell in those steps froze it high, and replays ran worse;
     * ``host`` is a plain step's time outside the forward (EMA over plain steps);
     * ``overhead`` is what a drafting step spends outside the forward beyond ``host`` and the
       drafts' startup timing ``d`` (EMA over unpadded drafting steps, prior 0): the host work of
