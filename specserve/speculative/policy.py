@@ -38,8 +38,8 @@ decoding requests:
   request's tree (at its best size up to the full one) would be picked at this batch
   size once the probe is fully accepted (its rate judged from that probe alone, shrunk
   towards the global rate: else the probe could never change a decision; a request's first
-  probe towards the neutral PRIOR_RATE, uncalibrated, as the global figures learn only from
-  the requests that were picked), and probes spend at most
+  probe by the better of that and the neutral PRIOR_RATE, uncalibrated, as the global figures
+  learn only from the requests that were picked), and probes spend at most
   a budget share of the estimated step time (a credit that accrues each step; a request's
   first probe is not charged):
   0.5% when probes never succeed, up to 10% when they are all fully accepted (EMA

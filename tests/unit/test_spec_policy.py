@@ -492,7 +492,8 @@ CPU_CURVE = CostCurve([1, 2, 3, 4, 8], [1.0, 1.12, 1.27, 1.39, 2.12])
 
 def test_a_fresh_request_probes_where_earlier_requests_pulled_the_estimates_down():
     """Chat requests left the global rate at 0.2 and the calibration at 0.6: a fresh request is
-    still probed (judged by the neutral prior), while one whose own probe failed waits for credit."""
+    still probed (judged by the neutral prior, the better of the two here), while one whose own
+    probe failed waits for credit."""
     policy = SpecPolicy(CPU_CURVE, lambda k, n: 0.2, num_draft_tokens=2, warm_steps=2)
     policy.accepted, policy.rejected = 0.2 * 20, 0.8 * 20
     policy.realized_extra, policy.predicted_extra = 6.0, 10.0
