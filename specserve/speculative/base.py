@@ -362,8 +362,7 @@ def _timed(forward: Callable[..., Tensor], *args) -> tuple[Tensor, float]:
     """``forward(*args)`` (logits) and its seconds, the device synced (the policy's step costs)."""
     began = time.perf_counter()
     logits = forward(*args)
-    if logits.device.type == "cuda":
-        torch.cuda.synchronize(logits.device)
+    sync_fn(logits.device)()
     return logits, time.perf_counter() - began
 
 
