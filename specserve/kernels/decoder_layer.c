@@ -485,3 +485,48 @@ int eagle3_head(const int64_t *ids, const void *embedding, long vocab, const int
     free(embeds), free(x), free(cos), free(sin);
     return status;
 }
+
+/* Index of the first maximum of v[0..n), a NaN counting as the largest (the first NaN wins):
+   numpy's argmax, which sampler.argmax_rows gives. */
+static long argmax_row(const void *v, long n, int is_bf16) {
+    long best = 0;
+    float best_value = get_elem(v, 0, is_bf16);
+    if (isnan(best_value)) return 0;
+    for (long i = 1; i < n; i++) {
+        const float x = get_elem(v, i, is_bf16);
+        if (isnan(x)) return i;
+        if (x > best_value) best = i, best_value = x;
+    }
+    return best;
+}
+
+/* A draft head's last steps in one call (runner/head_runner.py): out_rows [R, H] = h's rows
+   logit_rows (NULL: every row, R = T), logits [R, V] = lm_head(rms_norm(out_rows)) (final_norm
+   NULL: no norm; bias fp32 or NULL), argmax[r] = the first maximum of logits row r, a NaN
+   counting as the largest. The same kernels as the separate calls, so the same bits; what it
+   saves is the torch calls between them, each slow after the weights went through the caches.
+   Returns -1 for a row outside h, or shapes the kernels do not take. */
+int head_logits(const void *h, int T, int H, const int64_t *logit_rows, int R, const void *final_norm,
+                float final_eps, const linear_weights *lm_head, const float *bias, int V, void *out_rows,
+                void *logits, int64_t *argmax, int dtype, int nthreads) {
+    const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
+    const size_t row_bytes = (size_t)H * esize;
+    if (H % 8 || R < 1 || (!logit_rows && R != T)) return -1;
+    for (int r = 0; r < R; r++) {
+        const int64_t t = logit_rows ? logit_rows[r] : r;
+        if (t < 0 || t >= T) return -1;
+        memcpy((char *)out_rows + r * row_bytes, (const char *)h + t * row_bytes, row_bytes);
+    }
+    const void *x = out_rows;
+    char *normed = NULL;
+    if (final_norm) {
+        if (!(normed = malloc((size_t)R * row_bytes))) return -1;
+        rms_norm_rows(out_rows, final_norm, normed, H, R, H, final_eps, dtype);
+        x = normed;
+    }
+    const int status = linear_forward(lm_head, x, bias, logits, R, V, H, dtype, nthreads);
+    free(normed);
+    if (status == 0)
+        for (int r = 0; r < R; r++) argmax[r] = argmax_row((const char *)logits + (size_t)r * V * esize, V, is_bf16);
+    return status;
+}

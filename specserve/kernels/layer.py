@@ -192,6 +192,38 @@ def eagle3_head(input_ids: torch.Tensor, positions: torch.Tensor, features: torc
     return h
 
 
+def head_logits(h: torch.Tensor, logit_rows: torch.Tensor | None, final_norm: tuple[torch.Tensor, float] | None,
+                lm_head: LinearWeights, vocab: int, bias32: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft head's last steps in one native call (``decoder_layer.c``'s ``head_logits``): the
+    rows ``logit_rows`` of ``h`` [T, H] (None: all), their logits ``lm_head(norm(rows))`` [R, vocab]
+    (``final_norm`` (weight, eps) or None) and each row's argmax [R] int64, a NaN counting as the
+    largest (``sampler.argmax_rows``). The bits of the separate calls: the skinny kernel's
+    ``linear_forward`` and ``rms_norm``; ``can_run_head_logits`` must hold."""
+    if logit_rows is not None:
+        logit_rows = logit_rows.to(torch.int64).contiguous()
+    rows = h.shape[0] if logit_rows is None else logit_rows.shape[0]
+    out, logits = h.new_empty(rows, h.shape[1]), h.new_empty(rows, vocab)
+    ids = torch.empty(rows, dtype=torch.int64)
+    norm, eps = (None, 0.0) if final_norm is None else (final_norm[0].data_ptr(), final_norm[1])
+    status = _head_logits_function()(
+        h.data_ptr(), h.shape[0], h.shape[1], None if logit_rows is None else logit_rows.data_ptr(), rows, norm, eps,
+        ctypes.byref(lm_head), None if bias32 is None else bias32.data_ptr(), vocab, out.data_ptr(),
+        logits.data_ptr(), ids.data_ptr(), DTYPE_CODES[h.dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"head_logits rejected rows of {tuple(h.shape)} or the LM head's shape")
+    return out, logits, ids
+
+
+def can_run_head_logits(h: torch.Tensor, final_norm: torch.Tensor | None) -> bool:
+    """Whether ``head_logits`` takes ``h`` (CPU, no gradient, 2-D, contiguous, float32/bfloat16, width a
+    multiple of 8, at least one row) and the norm's weight (None, or contiguous in h's dtype), the kernels built."""
+    return (h.device.type == "cpu" and not torch.is_grad_enabled() and h.dim() == 2 and h.shape[0] > 0
+            and h.is_contiguous() and h.dtype in DTYPE_CODES and h.shape[1] % 8 == 0
+            and (final_norm is None or (final_norm.dtype == h.dtype and final_norm.is_contiguous()))
+            and _head_logits_function() is not None)
+
+
 def _ends_arguments(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnds) -> tuple:
     """ids, the embedding, positions and the rotary tables, as model_stack and eagle3_head take them."""
     return (input_ids.contiguous().data_ptr(), ends.embedding.data_ptr(), ends.embedding.shape[0],
@@ -272,6 +304,14 @@ def _eagle3_function():
                                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
                           + _CACHE_ARGUMENTS)
+
+
+@functools.cache
+def _head_logits_function():
+    return build.function("head_logits", [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                          ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_int, ctypes.c_int])
 
 
 # decoder_layers' arguments before cos and sin (h .. num_layers) and after them (k_cache ..)

@@ -28,9 +28,8 @@ import torch
 from torch import Tensor
 
 from specserve.core import Request
-from specserve.runner.head_runner import HeadRunner
+from specserve.runner.head_runner import HeadOutput, HeadRunner
 from specserve.runner.model_runner import ExtendSpec
-from specserve.runner.sampler import argmax_rows
 from specserve.speculative import dynamic_tree as dt
 from specserve.speculative.base import ProposerContext, draft_quantization
 from specserve.speculative.mirrored_draft import MirroredDraftProposer
@@ -86,31 +85,30 @@ class EagleProposer(MirroredDraftProposer):
 
     # ---- drafting -----------------------------------------------------------------
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
-        root_hidden, root_logits = self._catch_up(engine, items)
+        root = self._catch_up(engine, items)
         if self.topk == 1:
-            return self._propose_chains(engine, items, max_nodes, root_hidden, root_logits)
-        pool, frontier = dt.first_step(torch.log_softmax(root_logits.float(), dim=-1), self.topk, self.token_map)
+            return self._propose_chains(engine, items, max_nodes, root)
+        pool, frontier = dt.first_step(torch.log_softmax(root.logits.float(), dim=-1), self.topk, self.token_map)
         if self.num_steps > 1:
-            pool = self._grow(engine, items, pool, frontier, root_hidden)
+            pool = self._grow(engine, items, pool, frontier, root.hidden)
         roots = torch.tensor([tail_ids(item.req, 1)[0] for item in items])
         tokens, parents = (x.cpu() for x in dt.rerank(pool, roots, self.params.num_draft_tokens))
         for item in items:
             self._mark(item.new_slots, False)          # the target writes tree nodes there
         return [truncate_tree(DraftTree(tokens[b], parents[b]), cap) for b, cap in enumerate(max_nodes)]
 
-    def _propose_chains(self, engine, items: list, max_nodes: list[int], root_hidden: Tensor,
-                        root_logits: Tensor) -> list[DraftTree]:
+    def _propose_chains(self, engine, items: list, max_nodes: list[int], root: HeadOutput) -> list[DraftTree]:
         """K == 1: each step's most likely token; the tree is the chain's first N - 1 tokens
         (what ``dt.rerank`` picks from a chain, whose scores only fall), without the scores.
         Only the steps the longest tree keeps are drafted (``draft_steps``)."""
-        chain = [self._draft_ids(root_logits)]
-        hidden, paths = root_hidden, [[[]] for _ in items]
+        chain = [self._target_ids(root.ids)]
+        hidden, paths = root.hidden, [[[]] for _ in items]
         steps = self.draft_steps(max(max_nodes))
         for step in range(1, steps):
             tokens = [[t] for t in chain[-1]]
-            out, logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
-            chain.append(self._draft_ids(logits))
-            hidden = out
+            drafted = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
+            chain.append(self._target_ids(drafted.ids))
+            hidden = drafted.hidden
             paths = [[path[0] + [self._scratch(b, step, 0)]] for b, path in enumerate(paths)]
         length = min(self.params.num_draft_tokens - 1, steps)
         drafted = list(zip(*chain[:length]))                                        # [bs][length]
@@ -119,14 +117,14 @@ class EagleProposer(MirroredDraftProposer):
         return [chain_tree([tail_ids(item.req, 1)[0], *drafted[b]][:cap])
                 for b, (item, cap) in enumerate(zip(items, max_nodes))]
 
-    def _draft_ids(self, logits: Tensor) -> list[int]:
-        """The target id of each row's most likely draft token."""
-        ids = argmax_rows(logits).tolist()
+    def _target_ids(self, draft_ids: Tensor) -> list[int]:
+        """The target ids of these draft ids (each row's most likely draft token)."""
+        ids = draft_ids.tolist()
         return ids if self.target_ids is None else [self.target_ids[i] for i in ids]
 
-    def _catch_up(self, engine, items: list) -> tuple[Tensor, Tensor]:
-        """Extend every request's draft over its pending entries. Returns (output hidden, logits)
-        of each request's last entry: [bs, H], [bs, V_draft]."""
+    def _catch_up(self, engine, items: list) -> HeadOutput:
+        """Extend every request's draft over its pending entries. Returns the head's output of each
+        request's last entry: hidden [bs, H], logits [bs, V_draft] and their argmax."""
         specs, features = [], []
         for item in items:
             req, state = item.req, _state(item.req)
@@ -167,7 +165,7 @@ class EagleProposer(MirroredDraftProposer):
         tokens = frontier.tokens.cpu().tolist()
         batch_index = torch.arange(bs, device=hidden.device).unsqueeze(1)
         for step in range(1, self.num_steps):
-            out, logits = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
+            out, logits, _ = self.runner.forward(self._frontier_specs(engine, items, step, tokens, paths), hidden)
             logprobs = torch.log_softmax(logits.float(), dim=-1).view(bs, k, -1)
             pool, frontier = dt.expand_step(pool, frontier, logprobs, k, self.token_map)
             if step + 1 < self.num_steps:
