@@ -2,10 +2,11 @@
 and turns a list of per-request extends into one forward pass."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -185,6 +186,31 @@ def forward_on_free_slots(runner: ModelRunner, pool, token_ids: list[int], is_pr
     try:
         spec = ExtendSpec(row=0, prefix_len=0, token_ids=token_ids, new_slots=slots, num_logits=len(token_ids))
         return runner.forward([spec], is_prefill=is_prefill)
+    finally:
+        pool.release_slots(slots)
+
+
+@contextlib.contextmanager
+def forwards_after_context(runner: ModelRunner, pool, context_ids: list[int],
+                           max_width: int) -> Iterator[Callable[[int], torch.Tensor]]:
+    """``forward(width)``: logits at every position of ``width`` new tokens (id 0; <= max_width)
+    forwarded on row 0 of an idle runner after the tokens ``context_ids``, prefilled once; over
+    fresh slots of ``pool``, which go back after. Startup timing at a decode step's attention cost."""
+    context_len = len(context_ids)
+    slots = pool.extend_slots([], context_len + max_width)
+    if slots is None:
+        raise ValueError(f"the KV pool cannot hold {context_len + max_width} tokens: raise --max-total-tokens")
+    try:
+        context, scratch = slots[:context_len], slots[context_len:]
+        if context_len:
+            runner.forward([ExtendSpec(row=0, prefix_len=0, token_ids=list(context_ids), new_slots=context)],
+                           is_prefill=True)
+
+        def forward(width: int) -> torch.Tensor:
+            return runner.forward([ExtendSpec(row=0, prefix_len=context_len, token_ids=[0] * width,
+                                              new_slots=scratch[:width], num_logits=width)])
+
+        yield forward
     finally:
         pool.release_slots(slots)
 

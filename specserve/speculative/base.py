@@ -46,8 +46,9 @@ PROPOSERS = {
     "EAGLE": ("specserve.speculative.eagle", "EagleProposer"),
     "EAGLE3": ("specserve.speculative.eagle", "EagleProposer"),
 }
-COST_WIDTHS_REQUIRED = (1, 3, 4, 16)   # float32 CPU: up to 3 rows cost about 1, 4 jumps
+COST_WIDTHS_REQUIRED = (1, 2, 3, 4, 16)   # 2 and 3: the verify widths of short chains, most drafting steps
 COST_WIDTHS_OPTIONAL = (8, 64, 256)
+COST_CONTEXT = 192          # tokens of context the timed forwards attend to (see measure_target_cost)
 TARGET_COST_BUDGET_S = 1.5
 PROPOSE_FIRST_SHARE = 0.02     # of a plain step: what a cheap proposer may spend before the policy weighs
 DRAFT_WARM_STEPS = 3           # a draft model's steps in a row before its step times teach the policy
@@ -185,15 +186,20 @@ def describe_policy(name: str, policy: SpecPolicy) -> str:
 
 
 def measure_target_cost(ctx: ProposerContext, budget_s: float = TARGET_COST_BUDGET_S) -> CostCurve:
-    """Target forward time at a few widths (causal, no prefix), using row 0 and free slots."""
-    from specserve.runner.model_runner import forward_on_free_slots
+    """Target forward time at a few widths after COST_CONTEXT tokens of context (the middle of a
+    128-token answer to a short prompt; fewer where the pool or the context length cannot hold
+    them), using row 0 and free slots. Each verify row attends to the whole context: timed
+    without one, W=4 read 1.15-1.23x W=1 where `verify-cost` at 256 tokens reads ~1.4x (2-core
+    Xeon), and the policy took wide NGRAM trees for cheaper than they were."""
+    from specserve.runner.model_runner import forwards_after_context
 
     runner, pool = ctx.target_runner, ctx.pool
     limit = min(pool.num_free_tokens, ctx.context_len)       # slots, row length, rotary positions
-    required = [w for w in COST_WIDTHS_REQUIRED if w <= limit] or [1]
-    optional = [w for w in COST_WIDTHS_OPTIONAL if w <= limit]
-    return measure_cost_curve(lambda width: forward_on_free_slots(runner, pool, [0] * width), required, optional,
-                              budget_s, sync_fn(runner.device))
+    context = min(COST_CONTEXT, limit // 2)
+    required = [w for w in COST_WIDTHS_REQUIRED if w <= limit - context] or [1]
+    optional = [w for w in COST_WIDTHS_OPTIONAL if w <= limit - context]
+    with forwards_after_context(runner, pool, [0] * context, max(required + optional)) as forward:
+        return measure_cost_curve(forward, required, optional, budget_s, sync_fn(runner.device))
 
 
 def sync_fn(device: torch.device):
