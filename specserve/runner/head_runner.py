@@ -56,7 +56,7 @@ class HeadRunner(ModelRunner):
 
 def _takes_native_logits(out: torch.Tensor, norm, lm_head, rows: int) -> bool:
     """Whether ``native_layer.head_logits`` gives the bits of ``compute_logits``: the norm (if any)
-    runs its native kernel, the LM head the skinny kernel for these rows, without a bias of another dtype."""
+    runs its native kernel and the LM head the skinny (or integer) kernel for these rows."""
     if not isinstance(lm_head, Linear) or rows > lm_head.skinny_max_rows or rows == 0:
         return False
     if norm is not None and not getattr(norm, "native", False):

@@ -189,8 +189,8 @@ def measure_target_cost(ctx: ProposerContext, budget_s: float = TARGET_COST_BUDG
     """Target forward time at a few widths after COST_CONTEXT tokens of context (the middle of a
     128-token answer to a short prompt; fewer where the pool or the context length cannot hold
     them), using row 0 and free slots. Each verify row attends to the whole context: timed
-    without one, W=4 read 1.15-1.23x W=1 where `verify-cost` at 256 tokens reads ~1.4x (2-core
-    Xeon), and the policy took wide NGRAM trees for cheaper than they were."""
+    without one, W=4 read 1.13-1.24x W=1 where `verify-cost` at 256 tokens reads ~1.4x (2-core
+    Xeon), so the policy took wide trees for cheaper than they are."""
     from specserve.runner.model_runner import forwards_after_context
 
     runner, pool = ctx.target_runner, ctx.pool
