@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,6 +93,7 @@ class LayerStack:
     qkv_biases: ctypes.Array
     dims: ctypes.Array
     eps: float
+    aux_pointers: dict = field(default_factory=dict)   # capture layers -> their pointer array (_aux_pointers)
 
 
 def layer_stack(layers: tuple[LayerWeights, ...]) -> LayerStack:
@@ -243,10 +244,11 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
     captured, aux_out, width = CapturedInputs([], None), None, h.shape[1]
     if capture:
         joined = h.new_empty(h.shape[0], len(capture) * width)
-        captured = CapturedInputs([joined[:, i * width:(i + 1) * width] for i in range(len(capture))], joined)
-        aux_out = (ctypes.c_void_p * len(stack.layers))()
-        for layer_id, out in zip(capture, captured):
-            aux_out[layer_id] = out.data_ptr()
+        captured = CapturedInputs(list(joined.view(h.shape[0], len(capture), width).unbind(1)), joined)
+        aux_out = _aux_pointers(stack, capture)
+        base, step = joined.data_ptr(), width * joined.element_size()
+        for i, layer_id in enumerate(capture):
+            aux_out[layer_id] = base + i * step
     return captured, (
         ctypes.addressof(stack.norms), ctypes.addressof(stack.linears), ctypes.addressof(stack.qkv_biases),
         stack.eps, ctypes.addressof(stack.dims), len(stack.layers), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -254,6 +256,15 @@ def _stack_arguments(h, stack, k_cache, v_cache, out_cache_loc, kv_indices, quer
         kv_indices.data_ptr(), query_mask.data_ptr(), row_batch.data_ptr(), row_query.data_ptr(), aux_out,
         len(capture) * width, h.shape[0], num_keys, num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype],
         torch.get_num_threads())
+
+
+def _aux_pointers(stack: LayerStack, capture: tuple[int, ...]) -> ctypes.Array:
+    """The stack's array of capture pointers for these layers (one per layer, NULL where not
+    captured), made once: only ``capture``'s entries are ever set in it."""
+    array = stack.aux_pointers.get(capture)
+    if array is None:
+        array = stack.aux_pointers[capture] = (ctypes.c_void_p * len(stack.layers))()
+    return array
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

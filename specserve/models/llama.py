@@ -171,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
                        meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` with every layer in one native call, with the model's ends too where
         ``model_stack`` takes them (else torch's embedding, rotary rows and final norm around it)."""
-        capture = tuple(i for i in range(len(self.model.layers)) if i in self.aux_layer_ids)
+        capture = tuple(sorted({i for i in self.aux_layer_ids if 0 <= i < len(self.model.layers)}))
         stack_args = (self._layer_stack(), cache.k, cache.v, meta.out_cache_loc, meta.kv_indices, meta.query_mask,
                       meta.row_batch, meta.row_query, capture)
         ends = self._model_ends()
