@@ -278,13 +278,7 @@ def test_an_eagle3_head_in_one_call_gives_the_bits_of_its_separate_calls(dtype, 
     from specserve.models.eagle3 import Eagle3Head
     from specserve.models.layers import use_native_norms
 
-    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
-                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=128)
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg, has_embedding=True)
-    for param in head.parameters():
-        torch.nn.init.normal_(param, std=0.2)
-    head = head.to(dtype).eval()
+    head = _random_eagle3_head().to(dtype).eval()
     head.init_rotary(256, "cpu")
     pack_linears_for_cpu(head)
     use_native_norms(head)
@@ -315,25 +309,19 @@ def test_a_draft_heads_logits_in_one_call_give_the_bits_of_its_separate_calls(dt
     """``HeadRunner.logits`` in one native call (the logit rows, the final norm, the LM head on the
     skinny or integer kernel, each row's argmax) gives the bits of the head's separate calls;
     exact ties go to the first maximum and a NaN counts as the largest, as ``argmax_rows``."""
-    from specserve.models.eagle3 import Eagle3Head
     from specserve.models.layers import use_native_norms
     from specserve.models.packed_linear import integer_quantization
     from specserve.runner import head_runner
     from specserve.runner.sampler import argmax_rows
 
-    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
-                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=128)
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg, has_embedding=True)
-    for param in head.parameters():
-        torch.nn.init.normal_(param, std=0.2)
+    head = _random_eagle3_head()
     with torch.no_grad():
         head.lm_head.weight[3] = head.lm_head.weight[7] = 1.0       # rows 3 and 7 tie on every input,
     head = head.to(dtype).eval()
     pack_linears_for_cpu(head, integer_quantization(head, quantization))
     use_native_norms(head)
     runner = head_runner.HeadRunner(head, num_kv_slots=8, max_rows=1, max_row_len=8)
-    out = torch.randn(5, cfg.hidden_size).to(dtype)
+    out = torch.randn(5, head.hidden_size).to(dtype)
     out[4] = head.norm.weight.sign()                            # ... and lead on row 4 (normed: |weight|)
     out[2] = 0.0
     out[2, 0] = float("nan")                                    # row 2's logits are all NaN
@@ -351,6 +339,19 @@ def test_a_draft_heads_logits_in_one_call_give_the_bits_of_its_separate_calls(dt
     if rows is None:
         assert ids[2] == 0                                      # the first NaN
     assert ids[-1] == 3                                         # the tie goes to the first
+
+
+def _random_eagle3_head():
+    """A float32 EAGLE-3 head with its own embedding, weights drawn from seed 0."""
+    from specserve.models.eagle3 import Eagle3Head
+
+    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=128)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg, has_embedding=True)
+    for param in head.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    return head
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
