@@ -54,7 +54,7 @@ class Scheduler:
         self.max_running = max_running_requests
         self.chunk_size = chunk_size
         self.prefill_budget_while_decoding = min(chunk_size, prefill_budget_while_decoding or chunk_size)
-        self.decode_width = decode_width     # KV slots a decode step needs per request
+        self.decode_width = decode_width     # KV slots a decode step may take per request (see below)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_rows = list(range(num_rows - 1, -1, -1))
@@ -159,14 +159,32 @@ class Scheduler:
         return (-(-(num_held + tokens) // page) - -(-num_held // page)) * page
 
     def _schedule_decode(self) -> ScheduledBatch:
+        """Every decoding request with one new slot. Admission keeps ``decode_width`` slots a
+        request free, but a speculative step takes the slots of a tree past its root only for
+        the requests that draft (``extend_decode``): most steps draft for nobody, and reserving
+        12 slots a request to give 11 back cost ~0.1 ms of a 10 ms step at 16 requests."""
         batch = ScheduledBatch(is_prefill=False)
         for req in list(self.running):
             if _needs_prefill(req) or req not in self.running:
                 continue
-            slots = self._allocate_or_retract(req, self.decode_width)
+            slots = self._allocate_or_retract(req, 1)
             if slots is not None:
                 batch.items.append(ScheduledItem(req, 1, slots))
         return batch
+
+    def extend_decode(self, item: ScheduledItem, num: int) -> bool:
+        """``num`` more slots after a decode item's own (a draft tree's nodes past the root),
+        evicting cached prefixes if needed but retracting nobody. False, nothing taken, if the
+        pool lacks them: that request decodes plainly this step."""
+        last = item.new_slots[-1:] or item.req.kv_slots[-1:]
+        slots = self.pool.extend_slots(last, num)
+        if slots is None:
+            self.radix.evict(num + self.pool.page_size)
+            slots = self.pool.extend_slots(last, num)
+        if slots is None:
+            return False
+        item.new_slots.extend(slots)
+        return True
 
     def _allocate_or_retract(self, req: Request, n: int) -> list[int] | None:
         while True:

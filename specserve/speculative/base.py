@@ -228,7 +228,7 @@ class SpecWorker:
         self._count_steps(items, trees)
         proposer = self.proposer
         if (proposer.catches_up_lazily or proposer.follows_plain_steps) and all(t.is_root_only for t in trees):
-            out, forward_seconds = self._plain_step(engine, items, trees)
+            out, forward_seconds = self._plain_step(engine, items)
             if not proposer.catches_up_lazily:
                 proposer.on_accepted(engine, items, trees, [AcceptResult([0], -1) for _ in items])
             self.policy.observe_step([1] * len(items), time.perf_counter() - start, forward_seconds)
@@ -249,11 +249,12 @@ class SpecWorker:
         self.policy.observe_step([t.num_nodes for t in trees], seconds, forward_seconds)
         return out
 
-    def _plain_step(self, engine, items: list, trees: list[DraftTree]) -> tuple[dict[str, TokenResult], float]:
-        """Nobody speculates: the engine's decode forward and sampling; the unused slots
-        reserved for the trees go back to the pool. Also returns the forward's seconds."""
+    def _plain_step(self, engine, items: list) -> tuple[dict[str, TokenResult], float]:
+        """Nobody speculates: the engine's decode forward and sampling (each request holds the
+        one slot the scheduler gave it). Also returns the forward's seconds."""
         logits, forward_seconds = _timed(engine.decode_forward, items)
-        tv.keep_root_slots(engine, items, trees)
+        for item in items:
+            engine.scheduler.commit(item.req, item.new_slots)
         return engine.sample_one_each([item.req for item in items], logits), forward_seconds
 
     def _plan(self, engine, items: list) -> list[DraftTree]:
@@ -277,9 +278,10 @@ class SpecWorker:
             trees = ([truncate_tree(t, cap) for t, cap in zip(proposed, caps)] if proposed is not None
                      else self._propose_cheap(engine, items, caps, depth_caps, states, can_pick))
             sizes = self.policy.select(states, [t.num_nodes for t in trees], [t.depth for t in trees], can_pick)
+            sizes = _take_tree_slots(engine, items, sizes)
             return [truncate_tree(t, n) if n > 1 or t.is_root_only else root_only(t.root_token)
                     for t, n in zip(trees, sizes)]
-        sizes = self.policy.select(states, caps, depth_caps, can_pick)     # draft only where it may pay
+        sizes = _take_tree_slots(engine, items, self.policy.select(states, caps, depth_caps, can_pick))
         picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
         skipped = [item for item, n in zip(items, sizes) if n == 1]
         drafted = iter(self.proposer.propose(engine, [i for i, _ in picked], [n for _, n in picked])
@@ -377,4 +379,11 @@ def max_tree_nodes(engine, item, num_draft_tokens: int) -> int:
     req = item.req
     remaining = req.sampling.max_new_tokens - len(req.output_ids)
     room = engine.context_len - req.seq_len
-    return max(1, min(num_draft_tokens, len(item.new_slots), remaining, room))
+    return max(1, min(num_draft_tokens, remaining, room))
+
+
+def _take_tree_slots(engine, items: list, sizes: list[int]) -> list[int]:
+    """The policy's tree sizes, each drafting request given the slots of its tree past the
+    root (the scheduler gave each one slot); where the pool lacks them, 1 (a plain step)."""
+    extend = engine.scheduler.extend_decode
+    return [n if n == 1 or extend(item, n - 1) else 1 for item, n in zip(items, sizes)]

@@ -168,16 +168,6 @@ def compact_kv(engine, items: list, trees: list[DraftTree], results: list[Accept
         engine.scheduler.commit(item.req, item.new_slots[:kept])
 
 
-def keep_root_slots(engine, items: list, trees: list[DraftTree]) -> None:
-    """Root-only trees (a plain decode step): each request keeps its first reserved slot."""
-    if engine.pool.page_size != 1:
-        compact_kv(engine, items, trees, [AcceptResult([0], -1) for _ in items])
-        return
-    for item in items:
-        engine.pool.decref(item.new_slots[1:])
-        engine.scheduler.commit(item.req, item.new_slots[:1])
-
-
 def _keep_path_slots(engine, item, path: list[int]) -> None:
     """page_size 1: the request keeps the path's slots in order; the others are freed."""
     req, slots = item.req, item.new_slots

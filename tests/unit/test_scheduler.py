@@ -78,6 +78,9 @@ class Sim:
         self.batches.append((batch.is_prefill, [(it.req.rid, it.num_new_tokens) for it in batch.items]))
         assert batch.items
         self._check_batch_shape(batch)
+        if not batch.is_prefill and self.decode_width > 1:    # a speculative step's tree slots
+            for item in batch.items:
+                self.sched.extend_decode(item, self.decode_width - 1)
         to_sample = []
         for item in batch.items:
             req = item.req
@@ -123,7 +126,7 @@ class Sim:
             else:
                 assert item.num_new_tokens == 1
                 assert item.req.seq_len - item.req.num_computed == 1
-                assert len(item.new_slots) == self.decode_width
+                assert len(item.new_slots) == 1
         if batch.is_prefill:
             assert sum(it.num_new_tokens for it in batch.items) <= self.chunk_size
 
@@ -273,7 +276,7 @@ def test_decode_only_when_nothing_to_prefill():
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_decode_width_slots_are_allocated_and_unused_ones_freed(page_size):
+def test_tree_slots_taken_per_step_and_unused_ones_freed(page_size):
     sim = Sim(num_pages=512 // page_size, page_size=page_size, decode_width=3)
     reqs = [sim.add(f"r{i}", prompt_of(i, 6 + i), 9) for i in range(3)]
     sim.run()
@@ -281,6 +284,25 @@ def test_decode_width_slots_are_allocated_and_unused_ones_freed(page_size):
     for req in reqs:
         assert req.output_ids == expected_output(req.input_ids, 9)
     sim.assert_all_freed()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_slots_follow_the_step_slot_or_are_refused_whole(page_size):
+    """A decode item's extra slots continue its own (within its page first); when the pool
+    lacks them, nothing is taken and the item keeps its one slot."""
+    sim = Sim(num_pages=16 // page_size, page_size=page_size, decode_width=4, disable_radix=True)
+    req = sim.add("r", prompt_of(0, 5), 4)
+    sim.step()
+    item = sim.sched.schedule().items[0]
+    assert item.new_slots == [req.kv_slots[-1] + 1] or page_size == 1
+    free = sim.pool.num_free_tokens
+    assert sim.sched.extend_decode(item, 3)
+    assert len(item.new_slots) == 4 and len(set(item.new_slots)) == 4
+    if page_size > 1:
+        assert item.new_slots[:3] == list(range(item.new_slots[0], item.new_slots[0] + 3))
+    taken = free - sim.pool.num_free_tokens
+    assert not sim.sched.extend_decode(item, sim.pool.num_free_tokens + page_size + 1)
+    assert len(item.new_slots) == 4 and free - sim.pool.num_free_tokens == taken
 
 
 # ---------------------------------------------------------------- retraction

@@ -51,15 +51,23 @@ def _random_step(rng, bs):
         last = rng.randrange(100)
         req = SimpleNamespace(rid=f"r{i}", spec_state=RequestSpecState(policy=state), output_ids=[1] * 4 + [last],
                               input_ids=[1] * 10, seq_len=15, sampling=SimpleNamespace(max_new_tokens=64))
-        items.append(SimpleNamespace(req=req, new_slots=list(range(N))))
+        items.append(SimpleNamespace(req=req, new_slots=[i]))
         trees[req.rid] = _random_tree(rng, last)
     return items, trees
+
+
+class TreeSlots:
+    """The scheduler's ``extend_decode`` on an endless pool."""
+
+    def extend_decode(self, item, num):
+        item.new_slots.extend(range(100, 100 + num))
+        return True
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_matching_first_plans_what_the_policy_first_order_plans(seed, monkeypatch):
     rng = random.Random(seed)
-    engine = SimpleNamespace(context_len=4096)
+    engine = SimpleNamespace(context_len=4096, scheduler=TreeSlots())
     orders, credits = {True: 0, False: 0}, {}
     for trial in range(150):
         bs = rng.choice([1, 2, 4])
@@ -73,6 +81,7 @@ def test_matching_first_plans_what_the_policy_first_order_plans(seed, monkeypatc
             monkeypatch.setattr(worker, "_proposing_first_is_cheap", lambda bs, n, first=first: first)
             step_items = copy.deepcopy(items)
             trees = worker._plan(engine, step_items)
+            assert [len(item.new_slots) for item in step_items] == [t.num_nodes for t in trees]
             plans[first] = ([(t.draft_tokens.tolist(), t.parents.tolist()) for t in trees],
                             {k: v for k, v in vars(worker.policy).items() if k not in ("cost", "probe_credit")},
                             [item.req.spec_state.policy for item in step_items])
