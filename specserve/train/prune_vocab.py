@@ -11,12 +11,21 @@ i + d2t[i], EAGLE-3's rule); the STANDALONE proposer maps ids both ways
 
     python -m specserve.train.prune_vocab --draft specserve/drafts/smollm2-135m-standalone \\
         --answers WORK/answers.jsonl --size 8192 --out my-pruned-draft
+
+An EAGLE-3 head (its own draft vocabulary already, ``d2t``) is cut the same way to a smaller one:
+its LM head keeps the rows of the ``size`` ids of its vocabulary that rank first, so a draft step
+reads fewer rows, and its logits at the kept ids do not change. The ranking comes from answers'
+token counts or from a list of ids most frequent first (``--ranked``: an FR-Spec token map):
+
+    python -m specserve.train.prune_vocab --draft specserve/drafts/smollm2-135m-eagle3 \\
+        --ranked specserve/drafts/smollm2-135m-frspec-8k.pt --size 4096 --out my-head-4k
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -45,12 +54,57 @@ def prune_draft_vocab(draft_dir: str | Path, counts, size: int, out_dir: str | P
     out = {name: t for name, t in tensors.items() if name not in (EMBEDDING, UNTIED_HEAD)}
     out.update({name: _pruned_rows(tensors[name], ids) for name in (EMBEDDING, UNTIED_HEAD) if name in tensors})
     out[DRAFT_VOCAB_TENSOR] = ids - torch.arange(size)
+    config.update(vocab_size=size)
+    return _write(out, config, out_dir)
+
+
+def prune_head_vocab(head_dir: str | Path, counts, size: int, out_dir: str | Path) -> Path:
+    """Write a copy of the EAGLE-3 head in ``head_dir`` whose draft vocabulary is the ``size`` ids of
+    its own that ``counts`` ranks first (EOS kept; ties and unseen ids by target id), in target id
+    order as EAGLE-3's ``d2t`` keeps them, to ``out_dir``."""
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    tensors = dict(read_safetensors_dir(head_dir)[1])
+    if DRAFT_VOCAB_TENSOR not in tensors or UNTIED_HEAD not in tensors:
+        raise ValueError(f"--draft {head_dir}: not an EAGLE-3 head with its own vocabulary (d2t, lm_head)")
+    d2t = tensors[DRAFT_VOCAB_TENSOR]
+    vocab = (torch.arange(d2t.numel()) + d2t).tolist()             # draft id -> target id
+    if not 2 <= size < len(vocab):
+        raise ValueError(f"--size must be in [2, {len(vocab)}) (the head's vocabulary); got {size}")
+    eos = config.get("eos_token_id")
+    always = [t for t in (eos if isinstance(eos, list) else [eos]) if t in set(vocab)] if eos is not None else []
+    draft_of = {t: i for i, t in enumerate(vocab)}
+    ranked = sorted(vocab, key=lambda t: (t not in always, -counts.get(t, 0), t))
+    kept = torch.tensor(sorted(draft_of[t] for t in ranked[:size]))
+    targets = torch.tensor(vocab)[kept]
+    t2d = torch.zeros_like(tensors["t2d"]) if "t2d" in tensors else None
+    out = dict(tensors)
+    out[UNTIED_HEAD] = tensors[UNTIED_HEAD][kept]
+    out[DRAFT_VOCAB_TENSOR] = targets - torch.arange(size)
+    if t2d is not None:
+        t2d[targets] = True
+        out["t2d"] = t2d
+    config.update(draft_vocab_size=size)
+    return _write(out, config, out_dir)
+
+
+def _write(tensors: dict, config: dict, out_dir: str | Path) -> Path:
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config.update(vocab_size=size)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def _is_eagle3_head(draft_dir: str | Path) -> bool:
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    return any("Eagle3" in name for name in config.get("architectures", []))
+
+
+def ranked_counts(path: str | Path) -> Counter:
+    """Counts that rank a token map's ids (a list of target ids, most frequent first) in its order."""
+    ids = torch.load(path)
+    return Counter({int(t): len(ids) - i for i, t in enumerate(ids)})
 
 
 def _pruned_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -64,13 +118,18 @@ def _pruned_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specserve.train.prune_vocab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--draft", required=True, help="STANDALONE draft folder (HF safetensors, target's vocabulary)")
-    p.add_argument("--answers", required=True, help="regenerated answers JSONL file(s), comma-separated")
+    p.add_argument("--draft", required=True, help="STANDALONE draft folder (HF safetensors, target's vocabulary) "
+                                                  "or EAGLE-3 head folder")
+    ranking = p.add_mutually_exclusive_group(required=True)
+    ranking.add_argument("--answers", help="regenerated answers JSONL file(s), comma-separated")
+    ranking.add_argument("--ranked", help="token map file: target ids, most frequent first (FR-Spec's)")
     p.add_argument("--size", type=int, default=8192, help="draft vocabulary size (default %(default)s)")
     p.add_argument("--out", required=True, help="folder for the pruned draft")
     args = p.parse_args(argv)
     try:
-        out = prune_draft_vocab(args.draft, count_tokens(args.answers), args.size, args.out)
+        counts = count_tokens(args.answers) if args.answers else ranked_counts(args.ranked)
+        prune = prune_head_vocab if _is_eagle3_head(args.draft) else prune_draft_vocab
+        out = prune(args.draft, counts, args.size, args.out)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
