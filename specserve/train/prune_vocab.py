@@ -70,9 +70,9 @@ def prune_head_vocab(head_dir: str | Path, counts, size: int, out_dir: str | Pat
     vocab = (torch.arange(d2t.numel()) + d2t).tolist()             # draft id -> target id
     if not 2 <= size < len(vocab):
         raise ValueError(f"--size must be in [2, {len(vocab)}) (the head's vocabulary); got {size}")
-    eos = config.get("eos_token_id")
-    always = [t for t in (eos if isinstance(eos, list) else [eos]) if t in set(vocab)] if eos is not None else []
     draft_of = {t: i for i, t in enumerate(vocab)}
+    eos = config.get("eos_token_id")
+    always = [t for t in (eos if isinstance(eos, list) else [eos]) if t in draft_of]
     ranked = sorted(vocab, key=lambda t: (t not in always, -counts.get(t, 0), t))
     kept = torch.tensor(sorted(draft_of[t] for t in ranked[:size]))
     targets = torch.tensor(vocab)[kept]
