@@ -176,11 +176,7 @@ class Scheduler:
         """``num`` more slots after a decode item's own (a draft tree's nodes past the root),
         evicting cached prefixes if needed but retracting nobody. False, nothing taken, if the
         pool lacks them: that request decodes plainly this step."""
-        last = item.new_slots[-1:] or item.req.kv_slots[-1:]
-        slots = self.pool.extend_slots(last, num)
-        if slots is None:
-            self.radix.evict(num + self.pool.page_size)
-            slots = self.pool.extend_slots(last, num)
+        slots = self._extend_evicting(item.new_slots[-1:] or item.req.kv_slots[-1:], num)
         if slots is None:
             return False
         item.new_slots.extend(slots)
@@ -207,11 +203,16 @@ class Scheduler:
 
     def allocate(self, req: Request, n: int) -> list[int] | None:
         """n new slots after req.kv_slots, evicting cached prefixes if needed."""
-        slots = self.pool.extend_slots(req.kv_slots, n)
-        if slots is None:
+        return self._extend_evicting(req.kv_slots, n)
+
+    def _extend_evicting(self, slots: list[int], n: int) -> list[int] | None:
+        """``pool.extend_slots(slots, n)``, evicting cached prefixes and trying once more if the
+        pool lacks the pages."""
+        new = self.pool.extend_slots(slots, n)
+        if new is None:
             self.radix.evict(n + self.pool.page_size)
-            slots = self.pool.extend_slots(req.kv_slots, n)
-        return slots
+            new = self.pool.extend_slots(slots, n)
+        return new
 
     def commit(self, req: Request, new_slots: list[int]) -> None:
         """The step computed these tokens: they are now part of the request's KV."""

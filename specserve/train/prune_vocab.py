@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from specserve.loading.safetensors import read_safetensors_dir
 from specserve.models.draft_head import DRAFT_VOCAB_TENSOR
-from specserve.train.frspec import count_tokens, top_frequent_ids
+from specserve.train.frspec import count_tokens, draft_vocab_maps, top_frequent_ids
 
 EMBEDDING = "model.embed_tokens.weight"
 UNTIED_HEAD = "lm_head.weight"
@@ -74,14 +74,12 @@ def prune_head_vocab(head_dir: str | Path, counts, size: int, out_dir: str | Pat
     eos = config.get("eos_token_id")
     always = [t for t in (eos if isinstance(eos, list) else [eos]) if t in draft_of]
     ranked = sorted(vocab, key=lambda t: (t not in always, -counts.get(t, 0), t))
-    kept = torch.tensor(sorted(draft_of[t] for t in ranked[:size]))
-    targets = torch.tensor(vocab)[kept]
-    t2d = torch.zeros_like(tensors["t2d"]) if "t2d" in tensors else None
+    targets = ranked[:size]
+    d2t, t2d = draft_vocab_maps(targets, int(config["vocab_size"]))      # kept in target id order
     out = dict(tensors)
-    out[UNTIED_HEAD] = tensors[UNTIED_HEAD][kept]
-    out[DRAFT_VOCAB_TENSOR] = targets - torch.arange(size)
-    if t2d is not None:
-        t2d[targets] = True
+    out[UNTIED_HEAD] = tensors[UNTIED_HEAD][torch.tensor([draft_of[t] for t in sorted(targets)])]
+    out[DRAFT_VOCAB_TENSOR] = d2t
+    if "t2d" in tensors:
         out["t2d"] = t2d
     config.update(draft_vocab_size=size)
     return _write(out, config, out_dir)
