@@ -656,7 +656,10 @@ static int count_segments(const int32_t *row_batch, int T, int block, int *start
 }
 
 /* How T rows over L keys are shared out to n threads. Tasks of a segment, KV head and split for
-   rows too few to share out (a decode step: a row a segment) and for a verify on a long context
+   rows too few to share out (a decode step: a row a segment; one request's 2-3 rows, a short
+   verify, as one segment, whose tasks then read each K/V row once for all of them: attention at
+   W=2 0.54-0.55 against 0.59-0.61 ms a forward, W=3 0.71 against 0.79-0.82, 2-thread Xeon,
+   `verify-cost` in turns) and for a verify on a long context
    (ROW_BLOCK rows a segment, at least two whole splits' tasks a thread: each K/V row is then read
    once, for every row of the verify, where a task per segment reads all of them once a segment:
    after 512 or 1,024 tokens, attention in 0.80-0.89x the time at W=8 and 0.86-0.92x at W=4 on a
@@ -673,7 +676,8 @@ static att_plan plan_attention(const int32_t *row_batch, int T, int L, int num_k
     att_plan plan;
     plan.by_split = T < 2 * n ||
                     (segments_of_block < n && (long)segments_of_block * num_kv_heads * whole_splits >= 2L * n);
-    plan.block = T < 2 * n ? 1 : plan.by_split || per_thread > ROW_BLOCK ? ROW_BLOCK : per_thread;
+    plan.block = T < 2 * n ? (segments_of_block == 1 ? T : 1)
+                           : plan.by_split || per_thread > ROW_BLOCK ? ROW_BLOCK : per_thread;
     plan.num_segments = count_segments(row_batch, T, plan.block, segment_start);
     return plan;
 }

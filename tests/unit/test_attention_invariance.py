@@ -146,11 +146,13 @@ def test_thread_count_does_not_change_bits(prefix, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone(dtype):
-    """8 chained rows over 2,100 keys: the kernel shares such a verify out by KV head and key
-    split; each row must still get the bits of its plain decode step."""
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone(dtype, n):
+    """2 or 8 chained rows over 2,100 keys: the kernel shares such a verify out by KV head and key
+    split (2 rows on 2 threads as one segment of tasks); each row must still get the bits of its
+    plain decode step."""
     cache = _cache(dtype)
-    n, prefix = 8, 2100
+    prefix = 2100
     q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
     k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
     slots = list(range(100, 100 + prefix + n))
