@@ -171,25 +171,53 @@ def model_stack(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnd
     return out, captured
 
 
-def eagle3_head(input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, ends: ModelEnds,
-                fc: LinearWeights | None, in_norm: tuple[torch.Tensor, float], hidden_norm: tuple[torch.Tensor, float],
-                weights: LayerWeights, k_layer: torch.Tensor, v_layer: torch.Tensor, out_cache_loc: torch.Tensor,
-                kv_indices: torch.Tensor, query_mask: torch.Tensor, row_batch: torch.Tensor,
-                row_query: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class Eagle3Weights:
+    """An EAGLE-3 head's arguments to ``eagle3_head`` that stay the same from call to call, as
+    the native function takes them (built once: serving never moves the head's weights; each
+    call then passes only its inputs, a third of the Python it took before in a served step)."""
+    ends: ModelEnds                          # kept alive: the embedding and rotary pointers below
+    fc: LinearWeights | None                 # kept alive: fc_address points at it
+    layer: LayerWeights
+    norm_tensors: tuple[torch.Tensor, torch.Tensor]
+    embedding_arguments: tuple               # the embedding and its rows
+    rotary_arguments: tuple                  # the cos and sin tables and their rows
+    fc_address: int | None
+    norm_arguments: tuple                    # in_norm, eps, hidden_norm, eps
+    weight_arguments: tuple                  # _weight_arguments(layer)
+    width: int                               # H: the head's hidden size
+
+
+def eagle3_weights(ends: ModelEnds, fc: LinearWeights | None, in_norm: tuple[torch.Tensor, float],
+                   hidden_norm: tuple[torch.Tensor, float], layer: LayerWeights) -> Eagle3Weights:
+    """``eagle3_head``'s fixed arguments: the model's ends (``ends.final_norm`` is not read), fc
+    (None: the head takes H-wide features only), both norms (weight, eps) and the midlayer."""
+    norms = (in_norm[0].contiguous(), hidden_norm[0].contiguous())
+    return Eagle3Weights(ends, fc, layer, norms, (ends.embedding.data_ptr(), ends.embedding.shape[0]),
+                         (ends.cos_table.data_ptr(), ends.sin_table.data_ptr(), ends.cos_table.shape[0]),
+                         None if fc is None else ctypes.addressof(fc),
+                         (norms[0].data_ptr(), in_norm[1], norms[1].data_ptr(), hidden_norm[1]),
+                         _weight_arguments(layer), layer.dims[0])
+
+
+def eagle3_head(input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor, weights: Eagle3Weights,
+                k_layer: torch.Tensor, v_layer: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor,
+                query_mask: torch.Tensor, row_batch: torch.Tensor, row_query: torch.Tensor) -> torch.Tensor:
     """An EAGLE-3 head's forward in one native call (``decoder_layer.c``'s ``eagle3_head``): fc of
-    the features (``fc`` None: they are H wide already), the embedding's rows of ``input_ids``, both
+    the features (those H wide go as they are), the embedding's rows of ``input_ids``, both
     normed side by side, the midlayer at ``positions``. Returns the head's output [T, H] before its
-    final norm (``ends.final_norm`` is not read), with the bits of the separate calls.
-    ``ends.takes`` must hold; the rest in the midlayer's dtype."""
+    final norm, with the bits of the separate calls. ``weights.ends.takes`` must hold, and
+    ``weights.fc`` be set for features wider than H; the rest in the midlayer's dtype."""
     features = features.contiguous()
-    h = features.new_empty(input_ids.shape[0], weights.dims[0])
+    h = features.new_empty(input_ids.shape[0], weights.width)
+    fc = weights.fc_address if features.shape[1] != weights.width else None
     status = _eagle3_function()(
-        *_ends_arguments(input_ids, positions, ends), None if fc is None else ctypes.addressof(fc),
-        features.data_ptr(), features.shape[1], in_norm[0].data_ptr(), in_norm[1], hidden_norm[0].data_ptr(),
-        hidden_norm[1], h.data_ptr(), *_weight_arguments(weights),
+        input_ids.contiguous().data_ptr(), *weights.embedding_arguments, positions.contiguous().data_ptr(),
+        *weights.rotary_arguments, fc, features.data_ptr(), features.shape[1], *weights.norm_arguments,
+        h.data_ptr(), *weights.weight_arguments,
         *_cache_arguments(h, k_layer, v_layer, out_cache_loc, kv_indices, query_mask, row_batch, row_query))
     if status != 0:
-        raise RuntimeError(f"eagle3_head rejected ids, positions or the midlayer's shapes {list(weights.dims)}")
+        raise RuntimeError(f"eagle3_head rejected ids, positions or the midlayer's shapes {list(weights.layer.dims)}")
     return h
 
 
@@ -226,7 +254,7 @@ def can_run_head_logits(h: torch.Tensor, final_norm: torch.Tensor | None) -> boo
 
 
 def _ends_arguments(input_ids: torch.Tensor, positions: torch.Tensor, ends: ModelEnds) -> tuple:
-    """ids, the embedding, positions and the rotary tables, as model_stack and eagle3_head take them."""
+    """ids, the embedding, positions and the rotary tables, as model_stack takes them."""
     return (input_ids.contiguous().data_ptr(), ends.embedding.data_ptr(), ends.embedding.shape[0],
             positions.contiguous().data_ptr(), ends.cos_table.data_ptr(), ends.sin_table.data_ptr(),
             ends.cos_table.shape[0])

@@ -13,6 +13,7 @@ draft_vocab_size != vocab_size), ``t2d`` (ignored), optional ``embed_tokens.weig
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -70,6 +71,15 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         return x
 
 
+@dataclass(frozen=True)
+class _NativeCall:
+    """The head's forward in one native call: its fixed arguments and the rows it takes."""
+    weights: native_layer.Eagle3Weights
+    max_rows: int                 # the midlayer's linears' skinny rows
+    max_fc_rows: int
+    is_integer: bool              # every midlayer linear integer: any metadata (else row-invariant only)
+
+
 class Eagle3Head(DraftHead):
     feature_kind = "aux"
 
@@ -91,6 +101,8 @@ class Eagle3Head(DraftHead):
             has_lm_head = True       # the target's head has the wrong rows: the checkpoint must carry one
         self.lm_head = Linear(h, draft_vocab, bias=False) if has_lm_head else None
         self.register_buffer("d2t", None)     # [draft_vocab] int64; None = identity
+        self._native_call: _NativeCall | bool | None = None       # None: not built yet; False: no one call
+        self._cache_views: tuple | None = None                       # (cache, its K and V of the midlayer)
 
     @classmethod
     def for_checkpoint(cls, checkpoint: DraftCheckpoint, target_config: ModelConfig) -> "Eagle3Head":
@@ -109,8 +121,13 @@ class Eagle3Head(DraftHead):
     def final_norm(self) -> nn.Module:
         return self.norm
 
+    def init_rotary(self, max_position: int, device) -> None:
+        super().init_rotary(max_position, device)
+        self._native_call = None              # it points at the rotary tables
+
     def bind_target(self, target) -> None:
         super().bind_target(target)
+        self._native_call = None              # it may point at the target's embedding
         if not self.aux_layer_ids:
             self.aux_layer_ids = eagle3_aux_layer_ids(target.config.num_hidden_layers)
         _check_aux_layer_ids(self.aux_layer_ids, target.config.num_hidden_layers)
@@ -123,34 +140,58 @@ class Eagle3Head(DraftHead):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        ends = self._ends()
-        if self._runs_in_one_call(input_ids, hidden, positions, meta, ends):
-            mid = self.midlayer
-            fc = self.fc.skinny_weights() if hidden.shape[-1] != self.hidden_size else None
-            return native_layer.eagle3_head(
-                input_ids, positions, hidden, ends, fc, (mid.input_layernorm.weight, mid.input_layernorm.eps),
-                (mid.hidden_norm.weight, mid.hidden_norm.eps), mid.native_weights(),
-                cache.k[mid.self_attn.layer_id], cache.v[mid.self_attn.layer_id],
-                meta.out_cache_loc, meta.kv_indices, meta.query_mask, meta.row_batch, meta.row_query)
+        call = self._one_call(input_ids, hidden, positions, meta)
+        if call is not None:
+            k_layer, v_layer = self._layer_kv(cache)
+            return native_layer.eagle3_head(input_ids, positions, hidden, call.weights, k_layer, v_layer,
+                                            meta.out_cache_loc, meta.kv_indices, meta.query_mask, meta.row_batch,
+                                            meta.row_query)
         if hidden.shape[-1] != self.hidden_size:
             hidden = self.fc(hidden)                                             # [T, 3H] -> [T, H]
         embeds = self.embed(input_ids).to(hidden.dtype)                          # [T, H]
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         return self.midlayer(embeds, hidden, cos, sin, cache, meta, self.backend)
 
-    def _runs_in_one_call(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                          meta: AttentionMetadata, ends: native_layer.ModelEnds) -> bool:
-        """Whether ``native_layer.eagle3_head`` computes this forward with the bits of the separate
-        calls: the midlayer runs natively with native norms, fc (where the input needs it) on the
-        skinny kernel, the model's ends as ``model_stack`` takes them, in the norms' dtype."""
-        mid, rows = self.midlayer, input_ids.shape[0]
-        if not (mid.runs_native(rows, meta) and mid.input_layernorm.native and mid.hidden_norm.native):
-            return False
-        uses_fc = hidden.shape[-1] != self.hidden_size
-        return ((not uses_fc or (self.fc.skinny_max_rows >= rows and self.fc.bias is None))
-                and ends.takes(input_ids, positions) and hidden.dim() == 2 and hidden.is_contiguous()
-                and ends.embedding.dtype == hidden.dtype == mid.input_layernorm.weight.dtype
-                == mid.hidden_norm.weight.dtype)
+    def _one_call(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  meta: AttentionMetadata) -> "_NativeCall | None":
+        """How ``native_layer.eagle3_head`` runs this forward if it gives the bits of the separate
+        calls (else None): the midlayer natively (``LlamaDecoderLayer.runs_native``) with native
+        norms, fc (where the input needs it) on the skinny kernel, the model's ends as
+        ``model_stack`` takes them, in the norms' dtype. What does not change between calls is
+        read once (serving never changes the head's layers), fc's weight checked each call."""
+        call = self._native_call
+        if call is None or (call and call.weights.fc is not self.fc.skinny_weights()):
+            call = self._native_call = self._native_plan() or False
+        rows = input_ids.shape[0]
+        if not call or rows > call.max_rows or getattr(meta, "row_batch", None) is None or torch.is_grad_enabled():
+            return None
+        if not (meta.row_invariant or call.is_integer) or hidden.dim() != 2 or not hidden.is_contiguous():
+            return None
+        if hidden.shape[1] != self.hidden_size and rows > call.max_fc_rows:
+            return None
+        return call if hidden.dtype == call.weights.ends.embedding.dtype and call.weights.ends.takes(
+            input_ids, positions) else None
+
+    def _native_plan(self) -> "_NativeCall | None":
+        """``eagle3_head``'s fixed arguments and the limits of the one call, or None where the head
+        cannot run in one call."""
+        mid, ends = self.midlayer, self._ends()
+        first, second = mid.input_layernorm, mid.hidden_norm
+        if not (first.native and second.native and self.fc.bias is None and mid.can_run_native(1)
+                and ends.embedding.dtype == first.weight.dtype == second.weight.dtype):
+            return None
+        weights = native_layer.eagle3_weights(ends, self.fc.skinny_weights(), (first.weight, first.eps),
+                                              (second.weight, second.eps), mid.native_weights())
+        max_rows = min(linear.skinny_max_rows for linear in mid._native_linears)
+        return _NativeCall(weights, max_rows, self.fc.skinny_max_rows, mid.is_integer())
+
+    def _layer_kv(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The midlayer's K and V of ``cache`` (views made once per cache)."""
+        held = self._cache_views
+        if held is None or held[0] is not cache:
+            layer_id = self.midlayer.self_attn.layer_id
+            held = self._cache_views = (cache, cache.k[layer_id], cache.v[layer_id])
+        return held[1], held[2]
 
     def _ends(self) -> native_layer.ModelEnds:
         """The embedding (its own or the target's) and rotary tables, for ``eagle3_head``."""

@@ -291,10 +291,10 @@ def test_an_eagle3_head_in_one_call_gives_the_bits_of_its_separate_calls(dtype, 
     outs, caches = [], []
     for one_call in (True, False):
         if not one_call:
-            monkeypatch.setattr(Eagle3Head, "_runs_in_one_call", lambda *args: False)
+            monkeypatch.setattr(Eagle3Head, "_one_call", lambda *args: None)
         cache = _cache(dtype)
         with torch.inference_mode():
-            assert head._runs_in_one_call(ids, features, positions, meta, head._ends()) == one_call
+            assert (head._one_call(ids, features, positions, meta) is not None) == one_call
             outs.append(head(ids, features, positions, cache, meta))
         caches.append(cache)
     assert torch.equal(outs[0], outs[1])
