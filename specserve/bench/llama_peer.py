@@ -4,6 +4,7 @@ speculation by prompt lookup (``LlamaPromptLookupDecoding``: the n-gram draft ll
 the peer of our NGRAM)."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 INSTALL_HINT = "llama-cpp-python is not installed (pip install llama-cpp-python)"
@@ -33,9 +34,11 @@ def threads_for(args: Any) -> int:
     return args.threads or torch.get_num_threads()
 
 
-def load(model_path: Any, threads: int, context_length: int, lookup_tokens: int | None = None):
+def load(model_path: Any, threads: int, context_length: int, lookup_tokens: int | None = None,
+         logits_all: bool = False):
     """A ``Llama`` on ``model_path``; with ``lookup_tokens``, drafting that many tokens a step by
-    prompt lookup (llama-cpp-python's default n-gram size, 2)."""
+    prompt lookup (llama-cpp-python's default n-gram size, 2); with ``logits_all``, every
+    evaluated token's logits (what a verify needs), else the last one's."""
     from llama_cpp import Llama
 
     draft = None
@@ -44,7 +47,16 @@ def load(model_path: Any, threads: int, context_length: int, lookup_tokens: int 
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
     return Llama(model_path=str(model_path), n_ctx=context_length, n_threads=threads, n_threads_batch=threads,
-                 draft_model=draft, verbose=False)
+                 draft_model=draft, logits_all=logits_all, verbose=False)
+
+
+def time_forward(llm, context_length: int, tokens: list[int]) -> float:
+    """Seconds of one ``eval`` of ``tokens`` after the first ``context_length`` tokens already
+    evaluated (``eval`` drops the KV cache past ``n_tokens`` first), logits copied out included."""
+    llm.n_tokens = context_length
+    start = time.perf_counter()
+    llm.eval(tokens)
+    return time.perf_counter() - start
 
 
 def generate(llm, ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:

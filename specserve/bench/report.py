@@ -202,7 +202,8 @@ def _grouped_bars(ax, labels, groups, value_of, items) -> None:
 
 
 def plot_verify_cost(result: dict[str, Any], path: str | os.PathLike) -> Path | None:
-    """Forward time (ms) and ratio vs W=1 against the verify width, one line per dtype."""
+    """Forward time (ms) and ratio vs W=1 against the verify width, one line per dtype (and
+    llama.cpp's, when run beside)."""
     curves = result.get("curves", {})
     if not curves:
         return None

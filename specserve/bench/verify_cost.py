@@ -17,9 +17,8 @@ import contextlib
 import time
 from typing import Any
 
+from specserve.bench import llama_peer, report, serving
 from specserve.bench import prompts as prompt_data
-from specserve.bench import report
-from specserve.bench import serving
 
 DEFAULT_WIDTHS = "1,2,4,8,16,32,64"
 
@@ -37,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also split each width's forward into linears, attention, LM head and the rest "
                              "(the native layers' op clocks)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also time llama.cpp's forward of W tokens on the same context, GGUF and threads "
+                             "(llama-cpp-python; logits of every row, as a verify needs; needs "
+                             "`pip install llama-cpp-python`)")
     parser.add_argument("--mask", choices=("causal", "tree"), default="causal",
                         help="causal: no mask (a chain); tree: pass an explicit [W, W] mask, as a "
                              "tree verify does (lower-triangular, so the same tokens are seen)")
@@ -51,6 +54,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         _check_profile(args)
     dtypes = parse_dtypes(args.dtypes)
+    if args.llama_cpp:
+        _check_llama_cpp(args)
     from specserve.kernels import skinny
 
     result: dict[str, Any] = {"benchmark": "verify_cost", "model_path": args.model_path, "context": args.context,
@@ -58,6 +63,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "widths": widths, "repeats": args.repeats, "mask": args.mask, "curves": {}}
     for dtype in dtypes:
         result["curves"][dtype] = _run_dtype(args, dtype, widths)
+    if args.llama_cpp:
+        result["curves"][LLAMA_CPP], result["llama_cpp_version"] = _run_llama_cpp(args, widths), llama_peer.version()
     _print(result)
     if args.profile:
         for dtype, curve in result["curves"].items():
@@ -128,6 +135,15 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
                     bar.update(1)
     finally:
         core.pool.release_slots(ctx_slots)
+    rows = _curve(times, widths)
+    for row in rows:
+        if parts[row["width"]]:
+            row["parts_ms"] = {name: report.median([p[name] for p in parts[row["width"]]]) * 1000 for name in PARTS}
+    return rows
+
+
+def _curve(times: dict[int, list[float]], widths: list[int]) -> list[dict[str, Any]]:
+    """Each width's median (ms), ratio to W=1 and samples, from its forwards' seconds."""
     base = report.median(times[widths[0]]) if widths[0] == 1 else float("nan")
     rows = []
     for width in widths:
@@ -135,12 +151,41 @@ def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[s
         rows.append({"width": width, "median_ms": ms, "min_ms": min(times[width]) * 1000,
                      "ratio_vs_w1": report.ratio(ms, base * 1000), "ms_per_token": ms / width,
                      "samples_ms": [t * 1000 for t in times[width]]})
-        if parts[width]:
-            rows[-1]["parts_ms"] = {name: report.median([p[name] for p in parts[width]]) * 1000 for name in PARTS}
     return rows
 
 
 PARTS = ("linears", "attention", "lm_head", "rest")
+LLAMA_CPP = "llama.cpp"
+
+
+def _check_llama_cpp(args: argparse.Namespace) -> None:
+    reason = llama_peer.skip_reason(args.model_path)
+    if reason:
+        raise ValueError(f"--llama-cpp: {reason}")
+
+
+def _run_llama_cpp(args: argparse.Namespace, widths: list[int]) -> list[dict[str, Any]]:
+    """The same curve for llama.cpp: the context evaluated once, then each width's forward timed on
+    top of it, widths interleaved within each repeat as ours are."""
+    from tqdm import tqdm
+
+    ctx = context_ids(serving.load_tokenizer(args.model_path), args.context)
+    llm = llama_peer.load(args.model_path, llama_peer.threads_for(args), args.context + max(widths) + 64,
+                          logits_all=True)
+    try:
+        llm.eval(ctx)
+        draft = (ctx * max(widths))[-max(widths):]
+        times: dict[int, list[float]] = {w: [] for w in widths}
+        with tqdm(total=(args.warmup + args.repeats) * len(widths), desc="verify-cost llama.cpp", leave=False) as bar:
+            for repeat in range(args.warmup + args.repeats):
+                for width in widths:
+                    elapsed = llama_peer.time_forward(llm, len(ctx), draft[:width])
+                    if repeat >= args.warmup:
+                        times[width].append(elapsed)
+                    bar.update(1)
+    finally:
+        llm.close()
+    return _curve(times, widths)
 
 
 def _check_profile(args: argparse.Namespace) -> None:
@@ -218,6 +263,11 @@ def _print(result: dict[str, Any]) -> None:
     for dtype, curve in result["curves"].items():
         rows.append([f"{dtype} ms"] + [r["median_ms"] for r in curve])
         rows.append([f"{dtype} x W=1"] + [r["ratio_vs_w1"] for r in curve])
+    peer = result["curves"].get(LLAMA_CPP)
+    for dtype, curve in result["curves"].items():
+        if peer and dtype != LLAMA_CPP:
+            rows.append([f"llama.cpp / {dtype}"] + [report.ratio(p["median_ms"], r["median_ms"])
+                                                     for p, r in zip(peer, curve)])
     report.print_table(["W"] + [str(w) for w in widths], rows,
                        title=f"verify-width cost: one forward of W new tokens on a {result['context']}-token "
                              f"context, batch 1, median of {result['repeats']} ({result['mask']} mask, "

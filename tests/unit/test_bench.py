@@ -326,6 +326,37 @@ def test_llama_cpp_flag_is_refused_where_it_cannot_run(monkeypatch):
     assert speculative._load_peers(cli.parse_args(["speculative"])) == []
 
 
+def test_llama_cpp_beside_verify_cost_is_refused_where_it_cannot_run_and_times_one_eval(monkeypatch):
+    """``bench verify-cost --llama-cpp``: an error naming the flag where llama.cpp cannot run;
+    each timed forward evaluates the W tokens on top of the context (``eval`` from n_tokens)."""
+    from specserve.bench import llama_peer, verify_cost
+
+    with pytest.raises(ValueError, match="--llama-cpp"):
+        verify_cost._check_llama_cpp(cli.parse_args(["verify-cost", "--llama-cpp", "--model-path", "m.safetensors"]))
+
+    class Llm:
+        n_tokens, evaluated = 40, []
+
+        def eval(self, tokens):
+            self.evaluated.append((self.n_tokens, list(tokens)))
+
+    llm = Llm()
+    assert llama_peer.time_forward(llm, 10, [7, 8, 9]) >= 0.0
+    assert llm.evaluated == [(10, [7, 8, 9])]
+
+
+def test_verify_cost_prints_llama_cpp_time_over_ours(capsys):
+    from specserve.bench import verify_cost
+
+    curve = lambda ms: [{"width": w, "median_ms": m, "ratio_vs_w1": m / ms[0]} for w, m in zip((1, 8), ms)]
+    result = {"widths": [1, 8], "context": 256, "repeats": 3, "mask": "causal", "quantization": "gguf",
+              "kernel_variant": "avx2", "clock": "wall",
+              "curves": {"float32": curve([3.0, 6.0]), verify_cost.LLAMA_CPP: curve([9.0, 30.0])}}
+    verify_cost._print(result)
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("llama.cpp / float32"))
+    assert line.split()[-2:] == ["3.00", "5.00"]
+
+
 def test_llama_cpp_rows_count_tokens_and_compare_with_their_own_plain():
     args = SimpleNamespace(max_new_tokens=3, ignore_eos=False)
     entries = [speculative._new_entry(label, {}, peer=True) for label in ("llama.cpp", "llama.cpp lookup 10")]
