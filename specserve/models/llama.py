@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layer_ids: tuple[int, ...] = ()   # layers whose outputs EAGLE-3 captures
         self._native_stack: native_layer.LayerStack | None = None
         self._stack_limits: tuple[int, bool] | None = None    # (most rows, every linear integer)
+        self._stack_calls: tuple | None = None   # (key, stack, model_stack's fixed arguments): _stack_call
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (call again after moving the module)."""
@@ -148,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
     def init_rotary(self, max_position: int, device) -> None:
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling).to(device)
+        self._stack_calls = None                # they point at the rotary tables
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -171,19 +173,38 @@ class LlamaForCausalLM(nn.Module):
                        meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` with every layer in one native call, with the model's ends too where
         ``model_stack`` takes them (else torch's embedding, rotary rows and final norm around it)."""
-        capture = tuple(sorted({i for i in self.aux_layer_ids if 0 <= i < len(self.model.layers)}))
-        stack_args = (self._layer_stack(), cache.k, cache.v, meta.out_cache_loc, meta.kv_indices, meta.query_mask,
-                      meta.row_batch, meta.row_query, capture)
-        ends = self._model_ends()
-        if ends.takes(input_ids, positions):
-            h, aux = native_layer.model_stack(input_ids, positions, ends, *stack_args)
-            normed = ends.final_norm is not None
+        call = self._stack_call(cache)
+        if call is not None and native_layer.ModelEnds.takes_inputs(input_ids, positions):
+            h, aux = native_layer.model_stack(input_ids, positions, call, meta.out_cache_loc, meta.kv_indices,
+                                              meta.query_mask, meta.row_batch, meta.row_query)
+            normed = call.ends.final_norm is not None
         else:
             h = self.model.embed_tokens(input_ids)
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
-            aux, normed = native_layer.decoder_layers(h, stack_args[0], cos, sin, *stack_args[1:]), False
+            aux = native_layer.decoder_layers(h, self._layer_stack(), cos, sin, cache.k, cache.v, meta.out_cache_loc,
+                                              meta.kv_indices, meta.query_mask, meta.row_batch, meta.row_query,
+                                              self._capture_layers())
+            normed = False
         h = h if normed else self.model.norm(h)
         return (h, aux) if self.aux_layer_ids else h
+
+    def _stack_call(self, cache: KVCache) -> native_layer.StackCall | None:
+        """``model_stack``'s fixed arguments for this KV cache (None where the model's ends cannot
+        run natively), built again only when the stack, the cache, the captured layers or the final
+        norm's kernel changed (the weights and rotary tables must not move afterwards; serving
+        never moves them, and ``init_rotary`` and ``load_weights`` start over)."""
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), self.aux_layer_ids, self.model.norm.native)
+        held = self._stack_calls
+        if held is None or held[0] != key or held[1] is not self._native_stack:
+            stack, ends = self._layer_stack(), self._model_ends()
+            call = native_layer.stack_call(stack, ends, cache.k, cache.v, self._capture_layers()) if ends.usable() \
+                else None
+            held = self._stack_calls = (key, stack, call)
+        return held[2]
+
+    def _capture_layers(self) -> tuple[int, ...]:
+        """The layers whose inputs a forward captures (``aux_layer_ids`` within the model), ascending."""
+        return tuple(sorted({i for i in self.aux_layer_ids if 0 <= i < len(self.model.layers)}))
 
     def _runs_stack_native(self, num_rows: int, meta: AttentionMetadata) -> bool:
         """Whether every layer runs natively for this forward (then in one call: ``decoder_layers``).
@@ -224,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights --------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._stack_calls = None
         cfg = self.config
         loader = StrictLoader(self)
         add_fused_decoder_weights(loader, cfg)

@@ -205,7 +205,7 @@ def test_the_one_call_model_gives_the_layer_paths_bits_and_eagle3_inputs(dtype, 
     one_call = native_layer.model_stack
     monkeypatch.setattr(native_layer, "model_stack", lambda *args, **kw: calls.append(1) or one_call(*args, **kw))
     if not with_ends:
-        monkeypatch.setattr(native_layer.ModelEnds, "takes", lambda *args: False)
+        monkeypatch.setattr(native_layer.ModelEnds, "usable", lambda *args: False)
     runs = []
     for stack in (True, False):
         cache = KVCache(3, PAD_SLOT + 1, 2, 16, dtype, "cpu")
