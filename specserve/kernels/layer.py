@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -105,14 +106,22 @@ def layer_stack(layers: tuple[LayerWeights, ...]) -> LayerStack:
     return LayerStack(layers, norms, linears, biases, layers[0].dims, layers[0].eps)
 
 
-class CapturedInputs(list):
+class CapturedInputs(Sequence):
     """The captured layer inputs ([T, H] each, ascending layers) as views of ``joined``
-    [T, n * H], their concatenation (what an EAGLE-3 head reads); without captures an empty
-    list, ``joined`` None."""
+    [T, n * H], their concatenation (what an EAGLE-3 head reads; the views are made when read,
+    ~15 us less Python a forward than making them each time); without captures empty, ``joined``
+    None."""
 
-    def __init__(self, views: list[torch.Tensor], joined: torch.Tensor | None) -> None:
-        super().__init__(views)
-        self.joined = joined
+    def __init__(self, joined: torch.Tensor | None, count: int) -> None:
+        self.joined, self._count = joined, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if self.joined is None:
+            raise IndexError("no captured inputs")
+        return self.joined.view(self.joined.shape[0], self._count, -1).unbind(1)[index]
 
 
 def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -328,14 +337,14 @@ def _captures(h: torch.Tensor, stack: LayerStack, capture: tuple[int, ...]) -> "
     """Fresh copies for the inputs of the layers in ``capture`` (the features outlive the forward),
     their addresses set in the stack's capture pointers."""
     if not capture:
-        return CapturedInputs([], None)
+        return CapturedInputs(None, 0)
     width = h.shape[1]
     joined = h.new_empty(h.shape[0], len(capture) * width)
     aux_out = _aux_pointers(stack, capture)
     base, step = joined.data_ptr(), width * joined.element_size()
     for i, layer_id in enumerate(capture):
         aux_out[layer_id] = base + i * step
-    return CapturedInputs(list(joined.view(h.shape[0], len(capture), width).unbind(1)), joined)
+    return CapturedInputs(joined, len(capture))
 
 
 def _aux_pointers(stack: LayerStack, capture: tuple[int, ...]) -> ctypes.Array:
