@@ -101,7 +101,7 @@ class Eagle3Head(DraftHead):
             has_lm_head = True       # the target's head has the wrong rows: the checkpoint must carry one
         self.lm_head = Linear(h, draft_vocab, bias=False) if has_lm_head else None
         self.register_buffer("d2t", None)     # [draft_vocab] int64; None = identity
-        self._native_call: _NativeCall | bool | None = None       # None: not built yet; False: no one call
+        self._native_call: _NativeCall | None = None       # None: not built (yet)
         self._cache_views: tuple | None = None                       # (cache, its K and V of the midlayer)
 
     @classmethod
@@ -158,12 +158,15 @@ class Eagle3Head(DraftHead):
         calls (else None): the midlayer natively (``LlamaDecoderLayer.runs_native``) with native
         norms, fc (where the input needs it) on the skinny kernel, the model's ends as
         ``model_stack`` takes them, in the norms' dtype. What does not change between calls is
-        read once (serving never changes the head's layers), fc's weight checked each call."""
+        read once it can run (serving never changes the head's layers; until then each call
+        tries), fc's weight checked each call."""
+        if torch.is_grad_enabled() or getattr(meta, "row_batch", None) is None:
+            return None
         call = self._native_call
-        if call is None or (call and call.weights.fc is not self.fc.skinny_weights()):
-            call = self._native_call = self._native_plan() or False
+        if call is None or call.weights.fc is not self.fc.skinny_weights():
+            call = self._native_call = self._native_plan()
         rows = input_ids.shape[0]
-        if not call or rows > call.max_rows or getattr(meta, "row_batch", None) is None or torch.is_grad_enabled():
+        if call is None or rows > call.max_rows:
             return None
         if not (meta.row_invariant or call.is_integer) or hidden.dim() != 2 or not hidden.is_contiguous():
             return None

@@ -301,6 +301,34 @@ def test_an_eagle3_head_in_one_call_gives_the_bits_of_its_separate_calls(dtype, 
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
+def test_an_eagle3_head_takes_its_one_call_once_it_can_and_again_after_fc_changes():
+    """The head's one call is not ruled out for good by a forward that could not take it (with
+    gradients, as in training), and a replaced fc weight is read afresh, not through old pointers."""
+    from specserve.models.layers import use_native_norms
+
+    head = _random_eagle3_head().eval()
+    head.init_rotary(256, "cpu")
+    pack_linears_for_cpu(head)
+    use_native_norms(head)
+    kv_indices = torch.full((1, 100), PAD_SLOT, dtype=torch.int64)
+    kv_indices[0, :3] = torch.arange(100, 103)
+    meta = build_metadata([2], [1], kv_indices, torch.tensor([102]), num_kv_groups=3, pad_slot=PAD_SLOT)
+    ids, positions, features = torch.tensor([3]), torch.tensor([2]), torch.randn(1, 3 * CFG.hidden_size)
+    assert head._one_call(ids, features, positions, meta) is None           # gradients on
+    with torch.inference_mode():
+        call = head._one_call(ids, features, positions, meta)
+        assert call is not None
+        first = head(ids, features, positions, _cache(torch.float32), meta)
+    with torch.no_grad():
+        head.fc.weight.data = head.fc.weight.data * 2                       # a new tensor
+    with torch.inference_mode():
+        assert head._one_call(ids, features, positions, meta) is not call
+        second = head(ids, features, positions, _cache(torch.float32), meta)
+        head._one_call = lambda *args: None                                 # the separate calls
+        separate = head(ids, features, positions, _cache(torch.float32), meta)
+    assert not torch.equal(first, second) and torch.equal(second, separate)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quantization", [None, "w8a8_int8"])
 @pytest.mark.parametrize("rows", [None, [4, 1]])
