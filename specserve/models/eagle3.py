@@ -102,7 +102,7 @@ class Eagle3Head(DraftHead):
         self.lm_head = Linear(h, draft_vocab, bias=False) if has_lm_head else None
         self.register_buffer("d2t", None)     # [draft_vocab] int64; None = identity
         self._native_call: _NativeCall | None = None       # None: not built (yet)
-        self._cache_views: tuple | None = None                       # (cache, its K and V of the midlayer)
+        self._cache_views: tuple | None = None             # (cache.k, cache.v, the midlayer's K and V)
 
     @classmethod
     def for_checkpoint(cls, checkpoint: DraftCheckpoint, target_config: ModelConfig) -> "Eagle3Head":
@@ -189,12 +189,12 @@ class Eagle3Head(DraftHead):
         return _NativeCall(weights, max_rows, self.fc.skinny_max_rows, mid.is_integer())
 
     def _layer_kv(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The midlayer's K and V of ``cache`` (views made once per cache)."""
+        """The midlayer's K and V of ``cache`` (views made once per cache tensors)."""
         held = self._cache_views
-        if held is None or held[0] is not cache:
+        if held is None or held[0] is not cache.k or held[1] is not cache.v:
             layer_id = self.midlayer.self_attn.layer_id
-            held = self._cache_views = (cache, cache.k[layer_id], cache.v[layer_id])
-        return held[1], held[2]
+            held = self._cache_views = (cache.k, cache.v, cache.k[layer_id], cache.v[layer_id])
+        return held[2], held[3]
 
     def _ends(self) -> native_layer.ModelEnds:
         """The embedding (its own or the target's) and rotary tables, for ``eagle3_head``."""
