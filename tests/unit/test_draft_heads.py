@@ -10,17 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.config import ModelConfig
 from specserve.models.attention import KVCache, build_metadata
-from specserve.models.draft_heads import load_draft_head
 from specserve.models.eagle3 import eagle3_aux_layer_ids
 from specserve.models.weights import WeightLoadError
 from specserve.runner.model_runner import build_model
 from tests.model import tiny_draft_heads as tdh
+from tests.model.tiny_draft_heads import (MAX_POS, NUM_TARGET_LAYERS, inputs, load, run_head,  # noqa: F401
+                                          target, target_cfg, target_dir, target_weights)
 from tests.model.tiny_llama import random_weights, tiny_config, write_tiny_model
-
-NUM_TARGET_LAYERS = 8
-MAX_POS = 64
 
 
 # ---- plain-torch reference --------------------------------------------------------------------
@@ -68,53 +65,6 @@ def ref_decoder(x, w, p, cfg, positions, theta):
 
 
 # ---- fixtures and helpers ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def target_cfg() -> ModelConfig:
-    return tiny_config(NUM_TARGET_LAYERS)
-
-
-@pytest.fixture(scope="module")
-def target_weights(target_cfg):
-    return random_weights(target_cfg, seed=0)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, target_cfg, target_weights):
-    return write_tiny_model(tmp_path_factory.mktemp("target"), target_weights, target_cfg)
-
-
-@pytest.fixture(scope="module")
-def target(target_cfg, target_weights):
-    return build_model(target_cfg, target_weights.items(), torch.float32, "cpu", MAX_POS)
-
-
-def run_head(head, ids, hidden, split: int = 3):
-    """Forward ``ids`` at positions 0..T-1 in two calls (prefill, then extend) through a KV cache."""
-    cfg = head.config
-    num_tokens = len(ids)
-    cache = KVCache(cfg.num_hidden_layers, num_tokens + 1, cfg.num_key_value_heads, cfg.head_dim,
-                    torch.float32, "cpu")
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    kv_indices = torch.arange(num_tokens)[None]
-    outs = []
-    with torch.no_grad():
-        for start, end in ((0, split), (split, num_tokens)):
-            meta = build_metadata([start], [end - start], kv_indices, torch.arange(start, end),
-                                  num_kv_groups=groups)
-            outs.append(head(ids[start:end], hidden[start:end], torch.arange(start, end), cache, meta))
-    return torch.cat(outs)
-
-
-def inputs(num_tokens: int, width: int, vocab: int = 32, seed: int = 7):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (num_tokens,), generator=g), torch.randn(num_tokens, width, generator=g)
-
-
-def load(algorithm, draft_dir, target, target_dir, **kw):
-    return load_draft_head(algorithm, None if draft_dir is None else str(draft_dir), target, str(target_dir),
-                           dtype=torch.float32, device="cpu", max_position=MAX_POS, **kw)
-
 
 def write(tmp_path, name, config, tensors):
     return tdh.write_checkpoint(tmp_path / name, config, tensors)

@@ -10,7 +10,7 @@ import torch
 
 from specserve.train.prune_vocab import main, prune_head_vocab
 from tests.model import tiny_draft_heads as tdh
-from tests.unit.test_draft_heads import inputs, load, run_head, target, target_cfg, target_dir, target_weights  # noqa: F401
+from tests.model.tiny_draft_heads import inputs, load, run_head, target, target_cfg, target_dir, target_weights  # noqa: F401
 
 DRAFT_VOCAB, SIZE = 16, 6
 
