@@ -167,8 +167,7 @@ class LLMEngine:
                                     new_slots=item.new_slots, num_logits=1 if reaches_end else 0))
         logits = self.runner.forward(specs, is_prefill=True)
         sampled = [item.req for item, spec in zip(batch.items, specs) if spec.num_logits]
-        for item in batch.items:
-            self.scheduler.commit(item.req, item.new_slots)
+        self.scheduler.commit_all(batch.items)
         if self.spec_worker is not None:   # drafters ingest the prompt (draft KV, n-gram cache)
             self.spec_worker.on_prefill(self, batch)
         return self.sample_one_each(sampled, logits)
@@ -182,8 +181,7 @@ class LLMEngine:
     def plain_decode(self, batch: ScheduledBatch) -> dict[str, TokenResult]:
         """One plain decode step: one new token for every request of ``batch``."""
         logits = self.decode_forward(batch.items)
-        for item in batch.items:
-            self.scheduler.commit(item.req, item.new_slots)
+        self.scheduler.commit_all(batch.items)
         return self.sample_one_each(batch.requests, logits)
 
     def decode_forward(self, items: list) -> torch.Tensor:

@@ -219,6 +219,11 @@ class Scheduler:
         req.kv_slots.extend(new_slots)
         req.num_computed = len(req.kv_slots)
 
+    def commit_all(self, items: list[ScheduledItem]) -> None:
+        """``commit`` every item's new slots (a prefill, or a decode step nobody drafted in)."""
+        for item in items:
+            self.commit(item.req, item.new_slots)
+
     def free_uncommitted(self, new_slots: list[int], kept: int, req: Request) -> None:
         """Release slots allocated for a step but not kept (rejected drafts)."""
         if kept < len(new_slots):

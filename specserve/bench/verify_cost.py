@@ -107,39 +107,56 @@ def _run_dtype(args, dtype: str, widths: list[int]) -> list[dict[str, Any]]:
 def _measure(core, ctx: list[int], widths: list[int], args, sync) -> list[dict[str, Any]]:
     """Prefill the context once, then time each width; widths interleave within each repeat so
     that slow phases of a noisy machine spread over all of them."""
-    from tqdm import tqdm
-
     from specserve.runner.model_runner import ExtendSpec
 
     row = 0
     ctx_slots = core.pool.extend_slots([], len(ctx))
     if ctx_slots is None:
         raise RuntimeError("KV pool too small for the context")
-    times: dict[int, list[float]] = {w: [] for w in widths}
-    parts: dict[int, list[dict[str, float]]] = {w: [] for w in widths}
-    draft = ctx[-max(widths):] if len(ctx) >= max(widths) else (ctx * max(widths))[:max(widths)]
+    draft = _draft_tokens(ctx, max(widths))
     profiler = _PartClock(core) if args.profile else None
+
+    def forward(width: int) -> tuple[float, dict[str, float] | None]:
+        elapsed = _one_forward(core, row, ctx_slots, draft[:width], args.mask, sync, args.clock)
+        return elapsed, profiler.take(elapsed) if profiler else None
+
     try:
         core.runner.forward([ExtendSpec(row=row, prefix_len=0, token_ids=ctx, new_slots=ctx_slots, num_logits=1)])
-        total = (args.warmup + args.repeats) * len(widths)
-        with tqdm(total=total, desc=f"verify-cost {core.runner.dtype}".replace("torch.", ""), leave=False) as bar, \
-                (profiler or contextlib.nullcontext()):
-            for repeat in range(args.warmup + args.repeats):
-                for width in widths:
-                    elapsed = _one_forward(core, row, ctx_slots, draft[:width], args.mask, sync, args.clock)
-                    split = profiler.take(elapsed) if profiler else None
-                    if repeat >= args.warmup:
-                        times[width].append(elapsed)
-                        if split is not None:
-                            parts[width].append(split)
-                    bar.update(1)
+        with profiler or contextlib.nullcontext():
+            times, parts = _time_widths(widths, args, f"verify-cost {core.runner.dtype}".replace("torch.", ""), forward)
     finally:
         core.pool.release_slots(ctx_slots)
     rows = _curve(times, widths)
-    for row in rows:
-        if parts[row["width"]]:
-            row["parts_ms"] = {name: report.median([p[name] for p in parts[row["width"]]]) * 1000 for name in PARTS}
+    for entry in rows:
+        if parts[entry["width"]]:
+            entry["parts_ms"] = {name: report.median([p[name] for p in parts[entry["width"]]]) * 1000
+                                 for name in PARTS}
     return rows
+
+
+def _draft_tokens(ctx: list[int], count: int) -> list[int]:
+    """``count`` tokens to forward after the context: its last ones (repeated if it is shorter)."""
+    return ctx[-count:] if len(ctx) >= count else (ctx * count)[:count]
+
+
+def _time_widths(widths: list[int], args, desc: str, forward) -> tuple[dict[int, list[float]], dict[int, list]]:
+    """``forward(width)`` -> (seconds, parts or None) for every width in turn, ``args.warmup`` untimed
+    rounds then ``args.repeats`` timed ones (widths interleave, so that slow phases of a noisy
+    machine spread over all of them). Returns each width's seconds and parts."""
+    from tqdm import tqdm
+
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    parts: dict[int, list] = {w: [] for w in widths}
+    with tqdm(total=(args.warmup + args.repeats) * len(widths), desc=desc, leave=False) as bar:
+        for repeat in range(args.warmup + args.repeats):
+            for width in widths:
+                elapsed, split = forward(width)
+                if repeat >= args.warmup:
+                    times[width].append(elapsed)
+                    if split is not None:
+                        parts[width].append(split)
+                bar.update(1)
+    return times, parts
 
 
 def _curve(times: dict[int, list[float]], widths: list[int]) -> list[dict[str, Any]]:
@@ -167,22 +184,14 @@ def _check_llama_cpp(args: argparse.Namespace) -> None:
 def _run_llama_cpp(args: argparse.Namespace, widths: list[int]) -> list[dict[str, Any]]:
     """The same curve for llama.cpp: the context evaluated once, then each width's forward timed on
     top of it, widths interleaved within each repeat as ours are."""
-    from tqdm import tqdm
-
     ctx = context_ids(serving.load_tokenizer(args.model_path), args.context)
     llm = llama_peer.load(args.model_path, llama_peer.threads_for(args), args.context + max(widths) + 64,
                           logits_all=True)
     try:
         llm.eval(ctx)
-        draft = (ctx * max(widths))[-max(widths):]
-        times: dict[int, list[float]] = {w: [] for w in widths}
-        with tqdm(total=(args.warmup + args.repeats) * len(widths), desc="verify-cost llama.cpp", leave=False) as bar:
-            for repeat in range(args.warmup + args.repeats):
-                for width in widths:
-                    elapsed = llama_peer.time_forward(llm, len(ctx), draft[:width])
-                    if repeat >= args.warmup:
-                        times[width].append(elapsed)
-                    bar.update(1)
+        draft = _draft_tokens(ctx, max(widths))
+        times, _ = _time_widths(widths, args, "verify-cost llama.cpp",
+                                lambda width: (llama_peer.time_forward(llm, len(ctx), draft[:width]), None))
     finally:
         llm.close()
     return _curve(times, widths)

@@ -131,13 +131,12 @@ def decoder_layers(h: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin: t
     """``decoder_layer`` for every layer of the stack in turn; k_cache/v_cache [layers, S, kv heads,
     head_dim], each layer's as ``attention.kv_strides`` takes it. Returns the inputs of the layers
     in ``capture`` (ascending), copies of h (``CapturedInputs``)."""
-    captured = _captures(h, stack, capture)
+    aux_out = _aux_pointers(stack, capture)
+    captured = _captures(h, aux_out, capture)
     static = _stack_static(stack, k_cache, v_cache)
     status = _stack_function()(h.data_ptr(), *static[:6], cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
                                *static[6:], *_stack_dynamic(h, k_cache, out_cache_loc, kv_indices, query_mask,
-                                                            row_batch, row_query,
-                                                            _aux_pointers(stack, capture) if capture else None,
-                                                            len(capture)))
+                                                            row_batch, row_query, aux_out, len(capture)))
     if status != 0:
         raise RuntimeError(f"decoder_layers rejected the layers' shapes {list(stack.dims)}")
     return captured
@@ -154,12 +153,9 @@ class ModelEnds:
     final_norm: torch.Tensor | None
     final_eps: float
 
-    def takes(self, input_ids: torch.Tensor, positions: torch.Tensor) -> bool:
-        """Whether ``model_stack`` runs on these inputs (else the caller's torch ends do)."""
-        return self.usable() and self.takes_inputs(input_ids, positions)
-
     def usable(self) -> bool:
-        """``takes``' part that does not depend on the inputs."""
+        """Whether ``model_stack`` can run these ends (with inputs it ``takes_inputs``; else the
+        caller's torch ends run)."""
         return (self.embedding.is_contiguous() and self.embedding.dtype in DTYPE_CODES
                 and self.cos_table.dtype == torch.float32 and self.cos_table.is_contiguous()
                 and self.sin_table.is_contiguous()
@@ -167,7 +163,7 @@ class ModelEnds:
 
     @staticmethod
     def takes_inputs(input_ids: torch.Tensor, positions: torch.Tensor) -> bool:
-        """``takes``' part that does: int64 ids and positions, one per token."""
+        """Whether ``model_stack`` takes these inputs: int64 ids and positions, one per token."""
         return (input_ids.dtype == torch.int64 and positions.dtype == torch.int64 and input_ids.dim() == 1
                 and positions.shape == input_ids.shape)
 
@@ -198,19 +194,20 @@ def stack_call(stack: LayerStack, ends: ModelEnds, k_cache: torch.Tensor, v_cach
     final = (None, ends.final_eps) if ends.final_norm is None else (ends.final_norm.data_ptr(), ends.final_eps)
     return StackCall(stack, ends, k_cache, v_cache, capture, (ends.embedding.data_ptr(), ends.embedding.shape[0]),
                      (ends.cos_table.data_ptr(), ends.sin_table.data_ptr(), ends.cos_table.shape[0]), final,
-                     _stack_static(stack, k_cache, v_cache), _aux_pointers(stack, capture) if capture else None)
+                     _stack_static(stack, k_cache, v_cache), _aux_pointers(stack, capture))
 
 
 def model_stack(input_ids: torch.Tensor, positions: torch.Tensor, call: StackCall, out_cache_loc: torch.Tensor,
                 kv_indices: torch.Tensor, query_mask: torch.Tensor, row_batch: torch.Tensor,
                 row_query: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The embedding of ``input_ids``, ``decoder_layers`` at ``positions`` and the final norm in
-    one native call (``call.ends.takes`` must hold): returns (the output [T, H], normed when
-    ``call.ends.final_norm`` is set; the captured layer inputs). The same bits as the separate calls."""
+    one native call (``ModelEnds.takes_inputs`` must hold): returns (the output [T, H], normed
+    when ``call.ends.final_norm`` is set; the captured layer inputs). The same bits as the
+    separate calls."""
     embedding = call.ends.embedding
     h = embedding.new_empty(input_ids.shape[0], embedding.shape[1])
     out = h if call.ends.final_norm is None else torch.empty_like(h)
-    captured = _captures(h, call.stack, call.capture)
+    captured = _captures(h, call.aux_out, call.capture)
     status = _model_function()(
         input_ids.contiguous().data_ptr(), *call.embedding_arguments, positions.contiguous().data_ptr(),
         *call.rotary_arguments, *call.final_arguments, out.data_ptr(), h.data_ptr(), *call.layer_arguments,
@@ -225,7 +222,7 @@ def model_stack(input_ids: torch.Tensor, positions: torch.Tensor, call: StackCal
 class Eagle3Weights:
     """An EAGLE-3 head's arguments to ``eagle3_head`` that stay the same from call to call, as
     the native function takes them (built once: serving never moves the head's weights; each
-    call then passes only its inputs: its Python 66 -> ~18 us in a served step on the Xeon)."""
+    call then passes only its inputs: its Python 66 -> ~24 us in a served step on the Xeon)."""
     ends: ModelEnds                          # kept alive: the embedding and rotary pointers below
     fc: LinearWeights | None                 # kept alive: fc_address points at it
     layer: LayerWeights
@@ -256,7 +253,7 @@ def eagle3_head(input_ids: torch.Tensor, positions: torch.Tensor, features: torc
     """An EAGLE-3 head's forward in one native call (``decoder_layer.c``'s ``eagle3_head``): fc of
     the features (those H wide go as they are), the embedding's rows of ``input_ids``, both
     normed side by side, the midlayer at ``positions``. Returns the head's output [T, H] before its
-    final norm, with the bits of the separate calls. ``weights.ends.takes`` must hold, and
+    final norm, with the bits of the separate calls. ``ModelEnds.takes_inputs`` must hold, and
     ``weights.fc`` be set for features wider than H; the rest in the midlayer's dtype."""
     features = features.contiguous()
     h = features.new_empty(input_ids.shape[0], weights.width)
@@ -326,23 +323,24 @@ def _stack_dynamic(h: torch.Tensor, k_cache: torch.Tensor, out_cache_loc: torch.
             num_queries, DTYPE_CODES[h.dtype], DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
 
 
-def _captures(h: torch.Tensor, stack: LayerStack, capture: tuple[int, ...]) -> "CapturedInputs":
+def _captures(h: torch.Tensor, aux_out: ctypes.Array | None, capture: tuple[int, ...]) -> "CapturedInputs":
     """Fresh copies for the inputs of the layers in ``capture`` (the features outlive the forward),
-    their addresses set in the stack's capture pointers."""
+    their addresses set in ``aux_out``, the stack's capture pointers (``_aux_pointers``)."""
     if not capture:
         return CapturedInputs(None, 0)
     width = h.shape[1]
     joined = h.new_empty(h.shape[0], len(capture) * width)
-    aux_out = _aux_pointers(stack, capture)
     base, step = joined.data_ptr(), width * joined.element_size()
     for i, layer_id in enumerate(capture):
         aux_out[layer_id] = base + i * step
     return CapturedInputs(joined, len(capture))
 
 
-def _aux_pointers(stack: LayerStack, capture: tuple[int, ...]) -> ctypes.Array:
+def _aux_pointers(stack: LayerStack, capture: tuple[int, ...]) -> ctypes.Array | None:
     """The stack's array of capture pointers for these layers (one per layer, NULL where not
-    captured), made once: only ``capture``'s entries are ever set in it."""
+    captured), made once: only ``capture``'s entries are ever set in it. None without captures."""
+    if not capture:
+        return None
     array = stack.aux_pointers.get(capture)
     if array is None:
         array = stack.aux_pointers[capture] = (ctypes.c_void_p * len(stack.layers))()

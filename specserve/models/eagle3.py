@@ -13,7 +13,6 @@ draft_vocab_size != vocab_size), ``t2d`` (ignored), optional ``embed_tokens.weig
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -71,15 +70,6 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
         return x
 
 
-@dataclass(frozen=True)
-class _NativeCall:
-    """The head's forward in one native call: its fixed arguments and the rows it takes."""
-    weights: native_layer.Eagle3Weights
-    max_rows: int                 # the midlayer's linears' skinny rows
-    max_fc_rows: int
-    is_integer: bool              # every midlayer linear integer: any metadata (else row-invariant only)
-
-
 class Eagle3Head(DraftHead):
     feature_kind = "aux"
 
@@ -101,7 +91,7 @@ class Eagle3Head(DraftHead):
             has_lm_head = True       # the target's head has the wrong rows: the checkpoint must carry one
         self.lm_head = Linear(h, draft_vocab, bias=False) if has_lm_head else None
         self.register_buffer("d2t", None)     # [draft_vocab] int64; None = identity
-        self._native_call: _NativeCall | None = None       # None: not built (yet)
+        self._native_call: native_layer.Eagle3Weights | None = None     # None: not built (yet)
         self._cache_views: tuple | None = None             # (cache.k, cache.v, the midlayer's K and V)
 
     @classmethod
@@ -143,7 +133,7 @@ class Eagle3Head(DraftHead):
         call = self._one_call(input_ids, hidden, positions, meta)
         if call is not None:
             k_layer, v_layer = self._layer_kv(cache)
-            return native_layer.eagle3_head(input_ids, positions, hidden, call.weights, k_layer, v_layer,
+            return native_layer.eagle3_head(input_ids, positions, hidden, call, k_layer, v_layer,
                                             meta.out_cache_loc, meta.kv_indices, meta.query_mask, meta.row_batch,
                                             meta.row_query)
         if hidden.shape[-1] != self.hidden_size:
@@ -153,40 +143,33 @@ class Eagle3Head(DraftHead):
         return self.midlayer(embeds, hidden, cos, sin, cache, meta, self.backend)
 
     def _one_call(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                  meta: AttentionMetadata) -> "_NativeCall | None":
-        """How ``native_layer.eagle3_head`` runs this forward if it gives the bits of the separate
-        calls (else None): the midlayer natively (``LlamaDecoderLayer.runs_native``) with native
-        norms, fc (where the input needs it) on the skinny kernel, the model's ends as
-        ``model_stack`` takes them, in the norms' dtype. What does not change between calls is
-        read once it can run (serving never changes the head's layers; until then each call
-        tries), fc's weight checked each call."""
-        if torch.is_grad_enabled() or getattr(meta, "row_batch", None) is None:
+                  meta: AttentionMetadata) -> native_layer.Eagle3Weights | None:
+        """``native_layer.eagle3_head``'s fixed arguments if it gives this forward the bits of the
+        separate calls (else None): the midlayer runs natively (``runs_native``) with native norms,
+        fc (where the input needs it) on the skinny kernel, the model's ends as ``model_stack``
+        takes them, in the norms' dtype. The arguments are built once the head can run in one call
+        (serving never changes its layers), fc's weight checked each call."""
+        rows = input_ids.shape[0]
+        if not self.midlayer.runs_native(rows, meta):
             return None
         call = self._native_call
-        if call is None or call.weights.fc is not self.fc.skinny_weights():
-            call = self._native_call = self._native_plan()
-        rows = input_ids.shape[0]
-        if call is None or rows > call.max_rows:
+        if call is None or call.fc is not self.fc.skinny_weights():
+            call = self._native_call = self._native_weights()
+        if call is None or hidden.dim() != 2 or not hidden.is_contiguous() or hidden.dtype != call.ends.embedding.dtype:
             return None
-        if not (meta.row_invariant or call.is_integer) or hidden.dim() != 2 or not hidden.is_contiguous():
+        if hidden.shape[1] != self.hidden_size and rows > self.fc.skinny_max_rows:
             return None
-        if hidden.shape[1] != self.hidden_size and rows > call.max_fc_rows:
-            return None
-        return call if hidden.dtype == call.weights.ends.embedding.dtype and call.weights.ends.takes(
-            input_ids, positions) else None
+        return call if native_layer.ModelEnds.takes_inputs(input_ids, positions) else None
 
-    def _native_plan(self) -> "_NativeCall | None":
-        """``eagle3_head``'s fixed arguments and the limits of the one call, or None where the head
-        cannot run in one call."""
+    def _native_weights(self) -> native_layer.Eagle3Weights | None:
+        """``eagle3_head``'s fixed arguments, or None where the head cannot run in one call."""
         mid, ends = self.midlayer, self._ends()
         first, second = mid.input_layernorm, mid.hidden_norm
-        if not (first.native and second.native and self.fc.bias is None and mid.can_run_native(1)
+        if not (first.native and second.native and self.fc.bias is None and ends.usable()
                 and ends.embedding.dtype == first.weight.dtype == second.weight.dtype):
             return None
-        weights = native_layer.eagle3_weights(ends, self.fc.skinny_weights(), (first.weight, first.eps),
-                                              (second.weight, second.eps), mid.native_weights())
-        max_rows = min(linear.skinny_max_rows for linear in mid._native_linears)
-        return _NativeCall(weights, max_rows, self.fc.skinny_max_rows, mid.is_integer())
+        return native_layer.eagle3_weights(ends, self.fc.skinny_weights(), (first.weight, first.eps),
+                                           (second.weight, second.eps), mid.native_weights())
 
     def _layer_kv(self, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The midlayer's K and V of ``cache`` (views made once per cache tensors)."""

@@ -253,8 +253,7 @@ class SpecWorker:
         """Nobody speculates: the engine's decode forward and sampling (each request holds the
         one slot the scheduler gave it). Also returns the forward's seconds."""
         logits, forward_seconds = _timed(engine.decode_forward, items)
-        for item in items:
-            engine.scheduler.commit(item.req, item.new_slots)
+        engine.scheduler.commit_all(items)
         return engine.sample_one_each([item.req for item in items], logits), forward_seconds
 
     def _plan(self, engine, items: list) -> list[DraftTree]:

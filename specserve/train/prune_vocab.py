@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from specserve.loading.safetensors import read_safetensors_dir
-from specserve.models.draft_head import DRAFT_VOCAB_TENSOR
+from specserve.models.draft_head import DRAFT_VOCAB_TENSOR, draft_vocab_ids
 from specserve.train.frspec import count_tokens, draft_vocab_maps, top_frequent_ids
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -67,7 +67,7 @@ def prune_head_vocab(head_dir: str | Path, counts, size: int, out_dir: str | Pat
     if DRAFT_VOCAB_TENSOR not in tensors or UNTIED_HEAD not in tensors:
         raise ValueError(f"--draft {head_dir}: not an EAGLE-3 head with its own vocabulary (d2t, lm_head)")
     d2t = tensors[DRAFT_VOCAB_TENSOR]
-    vocab = (torch.arange(d2t.numel()) + d2t).tolist()             # draft id -> target id
+    vocab = draft_vocab_ids(d2t).tolist()                           # draft id -> target id
     if not 2 <= size < len(vocab):
         raise ValueError(f"--size must be in [2, {len(vocab)}) (the head's vocabulary); got {size}")
     draft_of = {t: i for i, t in enumerate(vocab)}
