@@ -93,7 +93,8 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                            choices=QUANTIZATIONS),
     "kv_cache_dtype": _memory("KV cache dtype. auto = the model's dtype. bf16/bfloat16 halves the cache's memory "
                               "and what attention reads per token (values are rounded to bfloat16 as they are "
-                              "written; attention still computes in float32). SGLang's fp8/fp4 values are "
+                              "written; attention multiplies in bfloat16, queries and softmax weights rounded, sums "
+                              "in float32). SGLang's fp8/fp4 values are "
                               "rejected: no such kernels here.",
                               choices=("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16", "fp4_e2m1")),
     # ---- serving -----------------------------------------------------------------------------

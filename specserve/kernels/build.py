@@ -3,10 +3,11 @@
 ``cpu_kernels.c`` (which includes the other C files here) is compiled on first use with the C
 compiler (``$CC`` or ``cc``, OpenMP) into ``$SPECSERVE_CACHE/kernels`` (default
 ``~/.cache/specserve/kernels``), one library per ISA variant (``VARIANTS``, best first: the
-integer kernels of ``int_linear.c`` use AVX-512 VNNI where built so, AVX2 otherwise; every
-other kernel is the same AVX2 + FMA code in each), named by the variant and a hash of every C
-source and header here and the flags, and reused; building a new version deletes other
-versions' builds older than a week.
+integer kernels of ``int_linear.c`` use AVX-512 VNNI where built so, AVX2 otherwise; attention
+uses AVX-512 where built so and AVX-512 BF16's ``vdpbf16ps`` over a bfloat16 cache in the
+``avx512_bf16`` build, with the same bits as the FMAs of the others), named by the variant and
+a hash of every C source and header here and the flags, and reused; building a new version
+deletes other versions' builds older than a week.
 
 Runtime dispatch: ``load()`` takes the best variant this CPU runs (``/proc/cpuinfo`` flags),
 or the best at or below ``$SPECSERVE_ISA`` (e.g. ``avx2``: test a lower variant on a higher
@@ -46,6 +47,8 @@ class Variant:
 
 
 VARIANTS = (    # best first
+    Variant("avx512_bf16", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"), 3),
     Variant("avx512_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"), 2),
     Variant("avx2", (), ("avx2", "fma", "f16c"), 1),
@@ -77,7 +80,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def variant_name() -> str:
-    """The ISA variant of the loaded kernels ("avx512_vnni", "avx2"), or "none"."""
+    """The ISA variant of the loaded kernels ("avx512_bf16", "avx512_vnni", "avx2"), or "none"."""
     library = load()
     if library is None:
         return "none"

@@ -673,8 +673,15 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
     return 0;
 }
 
-/* which variant this library was built as: 1 avx2, 2 avx512_vnni */
-int int_kernel_level(void) { return IQ_LEVEL; }
+/* which variant this library was built as: 1 avx2, 2 avx512_vnni, 3 avx512_bf16 (the integer
+   kernels of avx512_vnni; attention's bfloat16 products by vdpbf16ps) */
+int int_kernel_level(void) {
+#ifdef __AVX512BF16__
+    return IQ_LEVEL + 1;
+#else
+    return IQ_LEVEL;
+#endif
+}
 
 /* the quantized input rows as the kernels see them (for tests): q [M, K], d, ds, start [M, K / 32] */
 int int_quantize_rows(const void *x, int M, int K, int dtype, int fmt, int8_t *q, float *d, float *ds, int32_t *start) {

@@ -9,7 +9,10 @@
                                                          order, the denominator's in 8 lanes
                                                          (keys l = i mod 8 in order) and hsum8
    over each split of KEY_SPLIT keys (the max taken per split), the splits merged as the comment
-   on KEY_SPLIT says (a row of at most KEY_SPLIT keys: exactly the formulas above).
+   on KEY_SPLIT says (a row of at most KEY_SPLIT keys: exactly the formulas above). Over a
+   bfloat16 cache the products are bfloat16 ones: the scaled query and the weights w_l rounded to
+   bfloat16, each product exact, the sums in float32 in the orders the comments on PAIR_DIMS and
+   weigh_bf16 give (vdpbf16ps where the CPU has AVX-512 BF16, FMAs elsewhere: the same bits).
    Every step depends only on the keys a row attends to, in their order, never on the other
    rows, the batch, padding or masked keys (skipped, not added as zeros), nor on the thread
    count: a token gets the same bits verified inside a draft tree, decoded alone or batched.
@@ -87,6 +90,49 @@ static inline void prefetch_row(const char *p, int bytes) {
     for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+/* With a bfloat16 cache a score is a sum of bfloat16 products: the scaled query is rounded to
+   bfloat16 (nearest even), every product is exact in float32, and the products are summed in the
+   order of AVX-512 BF16's vdpbf16ps: lane i (of 16) of each chunk of PAIR_DIMS dims adds the
+   product of dims 2i + 1, then that of dims 2i, chunk after chunk; then the fixed tree over the
+   16 lanes (reduce_tile). Where the CPU has no vdpbf16ps the same sums are FMAs over query and
+   key rows widened "pair-split": a chunk's odd dims at positions 0-15, its even dims at 16-31,
+   so that score_tile_f32's chains p_i over positions i, i + 16, ... are those lanes' sums: the
+   same bits on every variant (vdpbf16ps also treats denormal inputs and sums as zero, which the
+   FMAs do not: they differ only where a product or partial sum is below ~1e-38). At 8 rows x 3
+   heads a key row is then read as bfloat16 by vdpbf16ps, twice the products an instruction of
+   an FMA over widened rows. */
+#define PAIR_DIMS 32
+static inline int round_pairs(int head_dim) { return (head_dim + PAIR_DIMS - 1) / PAIR_DIMS * PAIR_DIMS; }
+/* the position of dim d in a pair-split row */
+static inline int pair_split_pos(int d) {
+    const int c = d % PAIR_DIMS;
+    return d - c + ((c & 1) ? c / 2 : PAIR_DIMS / 2 + c / 2);
+}
+/* a bfloat16 row of head_dim (a multiple of 8) widened pair-split into hdq floats (exact, zeros
+   past head_dim): whole chunks by vectors (odd dims: the high halves of the row's 32-bit words;
+   even: the low halves), a short last chunk element by element */
+static inline __attribute__((always_inline)) void widen_pair_split_dims(const char *row, float *dst, int head_dim,
+                                                                        int hdq) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    int d = 0;
+    for (; d + PAIR_DIMS <= head_dim; d += PAIR_DIMS)
+        for (int half = 0; half < 2; half++) {      /* words 0-7 -> lanes 0-7, words 8-15 -> 8-15 */
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 2 * (long)d + 32 * half));
+            _mm256_storeu_ps(dst + d + 8 * half, _mm256_castsi256_ps(_mm256_and_si256(w, high)));
+            _mm256_storeu_ps(dst + d + 16 + 8 * half, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+    if (d < hdq) {
+        memset(dst + d, 0, (size_t)(hdq - d) * sizeof(float));
+        for (int e = d; e < head_dim; e++) dst[pair_split_pos(e)] = bf16_to_f32(((const uint16_t *)row)[e]);
+    }
+}
+/* with the common head sizes as constants */
+static inline void widen_pair_split(const char *row, float *dst, int head_dim, int hdq) {
+    if (head_dim == 64) widen_pair_split_dims(row, dst, 64, 64);
+    else if (head_dim == 128) widen_pair_split_dims(row, dst, 128, 128);
+    else widen_pair_split_dims(row, dst, head_dim, hdq);
+}
+
 #if ATT_LANES == 16
 /* 16 keys' partial sums p_i -> their 16 scores in key order, each by the fixed tree */
 static inline __m512 reduce_tile(const __m512 *p) {
@@ -158,6 +204,47 @@ static vecf score_tile(const float *q, const char *const *keys, int head_dim, in
     }
 }
 
+#ifdef __AVX512BF16__
+/* a bfloat16 key row's dims d .. d + 31 (zeros past head_dim) */
+static inline __m512bh key_pairs(const char *row, int d, int head_dim) {
+    const int n = head_dim - d;
+    const __mmask32 m = n >= PAIR_DIMS ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1);
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, row + 2 * (long)d);
+}
+/* scores of 16 keys (bfloat16 rows, read in place) for one query head qb (bfloat16, hdq of them,
+   zero padded) by vdpbf16ps: the sums the comment on PAIR_DIMS gives */
+static inline __attribute__((always_inline)) __m512 score_tile_bf16_dims(
+        const uint16_t *qb, const char *const *keys, int head_dim, int HDQ) {
+    __m512 p[16];
+    _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) {
+        p[k] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int d = 0; d < HDQ; d += PAIR_DIMS)
+            p[k] = _mm512_dpbf16_ps(p[k], (__m512bh)_mm512_loadu_si512(qb + d), key_pairs(keys[k], d, head_dim));
+    }
+    return reduce_tile(p);
+}
+static vecf score_tile_bf16(const uint16_t *qb, const char *const *keys, int head_dim, int hdq) {
+    switch (head_dim) {
+    case 64: return score_tile_bf16_dims(qb, keys, 64, 64);
+    case 128: return score_tile_bf16_dims(qb, keys, 128, 128);
+    default: return score_tile_bf16_dims(qb, keys, head_dim, hdq);
+    }
+}
+#define HAS_BF16_PRODUCTS 1
+#else
+#define HAS_BF16_PRODUCTS 0
+#endif
+
+/* The scores of a tile's keys (as tile_rows gives them) for one query head q (as load_queries
+   gives it, hdq floats): a float32 cache's by score_tile, a bfloat16 cache's by bfloat16 products
+   (the comment on PAIR_DIMS) */
+static inline vecf score_head(const float *q, const char *const *keys, int head_dim, int hdq, int is_bf16) {
+#if HAS_BF16_PRODUCTS
+    if (is_bf16) return score_tile_bf16((const uint16_t *)q, keys, head_dim, hdq);
+#endif
+    return score_tile(q, keys, is_bf16 ? hdq : head_dim, hdq);
+}
+
 /* A bfloat16 K/V row widened into hd16 float32s at dst (exact, zeros past head_dim) by
    full-vector stores: as wide as the loads that read them back, which a narrower or masked store
    cannot forward to (256-bit stores read back by 512-bit loads slowed AVX-512 scoring 5-9%) */
@@ -172,18 +259,19 @@ static inline void widen_row(const char *row, float *dst, int head_dim, int hd16
     else widen_row_dims(row, dst, head_dim, hd16);
 }
 
-/* A tile's key rows as score_tile reads them: bfloat16 rows widened once into `widened`
-   (ATT_LANES rows of hd16 floats, exact) for all the query heads that score them, instead of
-   once per head (at batch 32 the per-head widening made a bfloat16 cache no faster than a
-   float32 one); float32 rows in place. head_dim <= MAX_HEAD_DIM (attention_rows checks). */
-static void tile_rows(const char *const *rows, const char **out, float *widened, int head_dim, int hd16, int is_bf16) {
+/* A tile's key rows as score_head reads them: bfloat16 rows widened pair-split once into
+   `widened` (ATT_LANES rows of hdq floats, exact) for all the query heads that score them,
+   instead of once per head (at batch 32 the per-head widening made a bfloat16 cache no faster
+   than a float32 one); float32 rows, and bfloat16 ones where vdpbf16ps reads them, in place.
+   head_dim <= MAX_HEAD_DIM (attention_rows checks). */
+static void tile_rows(const char *const *rows, const char **out, float *widened, int head_dim, int hdq, int is_bf16) {
     for (int i = 0; i < ATT_LANES; i++) {
-        if (!is_bf16) {
+        if (!is_bf16 || HAS_BF16_PRODUCTS) {
             out[i] = rows[i];
             continue;
         }
-        float *dst = widened + (long)i * hd16;
-        widen_row(rows[i], dst, head_dim, hd16);
+        float *dst = widened + (long)i * hdq;
+        widen_pair_split(rows[i], dst, head_dim, hdq);
         out[i] = (const char *)dst;
     }
 }
@@ -194,18 +282,24 @@ static void tile_rows(const char *const *rows, const char **out, float *widened,
 static inline int scores_bf16_64(int head_dim, int is_bf16) { return ATT_LANES == 8 && is_bf16 && head_dim == 64; }
 
 #if ATT_LANES == 8
-/* The scores of 8 keys (their bfloat16 rows of 64 at key_rows) for nq scaled queries qs[j] into
-   out[j] + l0 (n of them: a short last tile repeats a key). Each key's row is widened once, in
-   registers, for every query, instead of into memory and read back per query (attention
-   1.03-1.2x faster in a forward on a Zen3); each query's two chains per key and the reduction
-   of the 8 keys' partial sums are score_tile_f32's and reduce_tile's: the same bits. */
+/* The scores of 8 keys (their bfloat16 rows of 64 at key_rows) for nq queries qs[j] (scaled,
+   rounded and pair-split as load_queries gives them) into out[j] + l0 (n of them: a short last
+   tile repeats a key). Each key's row is widened pair-split once, in registers, for every query,
+   instead of into memory and read back per query (attention 1.03-1.2x faster in a forward on a
+   Zen3); each query's two chains per key and the reduction of the 8 keys' partial sums are
+   score_tile_f32's and reduce_tile's over pair-split rows: the same bits. */
 static void score_tile_bf16_64(const float *const *qs, int nq, const char *const *key_rows, float *const *out,
                                int l0, int n) {
     __m256 part[ROW_BLOCK * MAX_GROUP][8];
     for (int i = 0; i < 8; i++) {
         const uint16_t *row = (const uint16_t *)key_rows[i];
-        __m256 k[8];
-        for (int c = 0; c < 8; c++) k[c] = load_bf16(row + 8 * c);
+        __m256 k[8];                 /* pair-split: chunk c / 4, odd dims of words 0-7, 8-15, even of 0-7, 8-15 */
+        for (int c = 0; c < 8; c += 4)
+            for (int half = 0; half < 2; half++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * c + 16 * half));
+                k[c + half] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+                k[c + 2 + half] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            }
         for (int j = 0; j < nq; j++) {
             const float *q = qs[j];
             __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
@@ -226,14 +320,14 @@ static void score_tile_bf16_64(const float *const *qs, int nq, const char *const
 }
 #endif
 
-/* scores[g * padded + l] = q_g . K[slots[l]] for the `group` query heads (q: group x hd16,
-   zero padded), ATT_LANES keys at a time (a short last tile repeats its first key) */
+/* scores[g * padded + l] = q_g . K[slots[l]] for the `group` query heads (q: group x hdq, as
+   load_queries gives them), ATT_LANES keys at a time (a short last tile repeats its first key) */
 static void score_keys(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
-                       int group, int head_dim, int hd16, int is_bf16, int padded, float *scores) {
+                       int group, int head_dim, int hdq, int is_bf16, int padded, float *scores) {
     const int esize = is_bf16 ? 2 : 4, in_registers = scores_bf16_64(head_dim, is_bf16);
     const float *qs[MAX_GROUP];
     float *outs[MAX_GROUP];
-    for (int g = 0; in_registers && g < group; g++) qs[g] = q + g * hd16, outs[g] = scores + g * padded;
+    for (int g = 0; in_registers && g < group; g++) qs[g] = q + g * hdq, outs[g] = scores + g * padded;
     float widened[ATT_LANES * MAX_HEAD_DIM];
     for (int l0 = 0; l0 < num_keys; l0 += ATT_LANES) {
         const int n = num_keys - l0 < ATT_LANES ? num_keys - l0 : ATT_LANES;
@@ -245,9 +339,9 @@ static void score_keys(const float *q, const char *k_base, long slot_stride, con
             score_tile_bf16_64(qs, group, rows, outs, l0, n);
             continue;
         }
-        tile_rows(rows, keys, widened, head_dim, hd16, is_bf16);
+        tile_rows(rows, keys, widened, head_dim, hdq, is_bf16);
         for (int g = 0; g < group; g++)
-            v_store_part(scores + g * padded + l0, score_tile(q + g * hd16, keys, head_dim, hd16), n);
+            v_store_part(scores + g * padded + l0, score_head(q + g * hdq, keys, head_dim, hdq, is_bf16), n);
     }
 }
 
@@ -302,10 +396,169 @@ static inline __attribute__((always_inline)) void weigh_pairs_dims(
         }
 }
 
+#if HAS_BF16_PRODUCTS
+/* Weighing a bfloat16 cache's values by vdpbf16ps. softmax_rows rounds the weights to bfloat16,
+   so each product w_l V[l][d] is exact, and vdpbf16ps over a pair of keys (l, l + 1) adds
+   w_l V[l][d] (its odd element) and then w_(l+1) V[l+1][d]: each element gets weigh_pass's chain
+   of FMAs, in key order, the same bits, at half the instructions. A key pair's value rows are
+   interleaved by unpacking (key l + 1 in the low halves); an odd last key pairs with zeros. The
+   accumulators hold each 32-dim block's dims in unpack order: lane 4b + e of the low one is dim
+   8b + e, of the high one 8b + 4 + e. */
+#define PAIRS_PER_BLOCK 2     /* 32-dim blocks weighed per pass: 64 dims, as weigh_pass */
+
+static const uint16_t zero_value_row[MAX_HEAD_DIM];
+
+/* weights rows (row g at g * padded floats, bfloat16 values as float32) packed in place into key
+   pairs: word l / 2 = w_(l+1) in the low half, w_l in the high half (l even) */
+static void pack_weight_pairs(float *scores, int padded, int group) {
+    for (int g = 0; g < group; g++) {
+        float *row = scores + (long)g * padded;
+        uint32_t *out = (uint32_t *)row;
+        int l = 0;
+        for (; l + 16 <= padded; l += 16) {
+            const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(row + l)), 16));
+            _mm256_storeu_si256((__m256i *)(out + l / 2), _mm256_rol_epi32(b, 16));
+        }
+        if (l < padded) {       /* padded is a multiple of 8 */
+            const __m128i b = _mm256_cvtepi32_epi16(_mm256_srli_epi32(_mm256_castps_si256(_mm256_loadu_ps(row + l)), 16));
+            _mm_storeu_si128((__m128i *)(out + l / 2), _mm_rol_epi32(b, 16));
+        }
+    }
+}
+
+/* a value row's dims d .. d + 31 as bfloat16, zeros past head_dim */
+static inline __m512i value_block(const char *row, int d, int head_dim) {
+    const int n = head_dim - d;
+    const __mmask32 m = n >= 32 ? (__mmask32)0xffffffffu : n > 0 ? (__mmask32)((1u << n) - 1) : 0;
+    return _mm512_maskz_loadu_epi16(m, row + 2 * (long)d);
+}
+/* unpack order <-> dims in order: lanes 0-15 of dims d .. d + 15 (half 0) or d + 16 .. d + 31 */
+static inline __m512i to_dims_index(int half) {
+    int idx[16];
+    for (int j = 0; j < 16; j++) idx[j] = (j % 8 < 4 ? 0 : 16) + 4 * (2 * half + j / 8) + j % 4;
+    return _mm512_loadu_si512(idx);
+}
+static inline __m512i to_unpack_index(int high) {
+    int idx[16];
+    for (int i = 0; i < 16; i++) {
+        const int dim = 8 * (i / 4) + 4 * high + i % 4;        /* of the block's 32 */
+        idx[i] = (dim < 16 ? 0 : 16) + dim % 16;
+    }
+    return _mm512_loadu_si512(idx);
+}
+
+/* orow[p][d] (+)= sum_l w_l V[slots[l]][d] for NG (packed weights, output) pairs, dims d0 ..
+   d0 + 63, keys [l_begin, l_end) (l_begin even): value rows from the cache, or (interleaved)
+   from a buffer of key pairs already unpacked (pair i at i * pair_stride bytes: its blocks'
+   low and high vectors in turn) */
+static inline __attribute__((always_inline)) void weigh_bf16_pass(
+        const uint32_t *const *wpk, float *const *orow, int NG, const char *v_base, long slot_stride,
+        const int64_t *slots, int l_begin, int l_end, int d0, int head_dim, int resume, int prefetch,
+        const char *interleaved, long pair_stride) {
+    __m512 acc[HEADS_PER_PASS][2 * PAIRS_PER_BLOCK];
+    for (int g = 0; g < NG; g++)
+        for (int b = 0; b < PAIRS_PER_BLOCK; b++) {
+            const int d = d0 + 32 * b;
+            if (!resume) {
+                acc[g][2 * b] = acc[g][2 * b + 1] = _mm512_setzero_ps();
+                continue;
+            }
+            const __m512 n0 = v_load_row((const char *)orow[g], d, head_dim, 0);
+            const __m512 n1 = v_load_row((const char *)orow[g], d + 16, head_dim, 0);
+            acc[g][2 * b] = _mm512_permutex2var_ps(n0, to_unpack_index(0), n1);
+            acc[g][2 * b + 1] = _mm512_permutex2var_ps(n0, to_unpack_index(1), n1);
+        }
+    for (int l = l_begin; l < l_end; l += 2) {
+        __m512i v[2 * PAIRS_PER_BLOCK];
+        if (interleaved) {
+            const char *pair = interleaved + (long)((l - l_begin) / 2) * pair_stride + d0 * 4;
+            for (int i = 0; i < 2 * PAIRS_PER_BLOCK; i++) v[i] = _mm512_loadu_si512(pair + 64 * i);
+        } else {
+            if (prefetch && l + PREFETCH_KEYS + 1 < l_end) {
+                prefetch_row(v_base + slots[l + PREFETCH_KEYS] * slot_stride + (long)d0 * 2, 64 * PAIRS_PER_BLOCK);
+                prefetch_row(v_base + slots[l + PREFETCH_KEYS + 1] * slot_stride + (long)d0 * 2, 64 * PAIRS_PER_BLOCK);
+            }
+            const char *a = v_base + slots[l] * slot_stride;
+            const char *c = l + 1 < l_end ? v_base + slots[l + 1] * slot_stride : (const char *)zero_value_row;
+            for (int b = 0; b < PAIRS_PER_BLOCK; b++) {
+                const __m512i va = value_block(a, d0 + 32 * b, head_dim), vc = value_block(c, d0 + 32 * b, head_dim);
+                v[2 * b] = _mm512_unpacklo_epi16(vc, va);
+                v[2 * b + 1] = _mm512_unpackhi_epi16(vc, va);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wpk[g][l / 2]);
+            for (int i = 0; i < 2 * PAIRS_PER_BLOCK; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], w, (__m512bh)v[i]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int b = 0; b < PAIRS_PER_BLOCK; b++)
+            for (int half = 0; half < 2; half++) {
+                const int d = d0 + 32 * b + 16 * half;
+                v_store_part(orow[g] + d, _mm512_permutex2var_ps(acc[g][2 * b], to_dims_index(half), acc[g][2 * b + 1]),
+                             head_dim - d);
+            }
+}
+
+/* weigh_bf16_pass over every pair and dim block (see weigh_pairs) */
+static void weigh_bf16(const float *const *wrow, float *const *orow, int pairs, const char *v_base, long slot_stride,
+                       const int64_t *slots, int l_begin, int l_end, int head_dim, int resume,
+                       const char *interleaved, long pair_stride) {
+    const uint32_t *const *wpk = (const uint32_t *const *)wrow;
+    for (int d0 = 0; d0 < head_dim; d0 += 32 * PAIRS_PER_BLOCK)
+        for (int p0 = 0; p0 < pairs; p0 += HEADS_PER_PASS) {
+            const int ng = pairs - p0 < HEADS_PER_PASS ? pairs - p0 : HEADS_PER_PASS;
+#define WEIGH_BF16(NG) weigh_bf16_pass(wpk + p0, orow + p0, NG, v_base, slot_stride, slots, l_begin, l_end, d0, \
+                                       head_dim, resume, p0 == 0, interleaved, pair_stride)
+            switch (ng) {
+            case 1: WEIGH_BF16(1); break;
+            case 2: WEIGH_BF16(2); break;
+            case 3: WEIGH_BF16(3); break;
+            default: WEIGH_BF16(HEADS_PER_PASS);
+            }
+#undef WEIGH_BF16
+        }
+}
+
+/* weigh_bf16 over keys [l_begin, l_end) (at most KEY_CHUNK, l_begin even) for many pairs: each
+   key pair's value rows unpacked once into a buffer for every pass of HEADS_PER_PASS pairs */
+static void weigh_bf16_chunk(const float *const *wrow, float *const *orow, int pairs, const char *v_base,
+                             long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int resume) {
+    if (pairs <= HEADS_PER_PASS) {
+        weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, NULL, 0);
+        return;
+    }
+    const int blocks = (head_dim + 63) / 64 * 2;           /* 32-dim blocks, whole passes */
+    const long pair_stride = (long)blocks * 128;
+    char buffer[KEY_CHUNK / 2 * MAX_HEAD_DIM * 4] __attribute__((aligned(64)));
+    for (int l = l_begin; l < l_end; l += 2) {
+        if (l + PREFETCH_KEYS + 1 < l_end) {
+            prefetch_row(v_base + slots[l + PREFETCH_KEYS] * slot_stride, head_dim * 2);
+            prefetch_row(v_base + slots[l + PREFETCH_KEYS + 1] * slot_stride, head_dim * 2);
+        }
+        const char *a = v_base + slots[l] * slot_stride;
+        const char *c = l + 1 < l_end ? v_base + slots[l + 1] * slot_stride : (const char *)zero_value_row;
+        char *pair = buffer + (long)((l - l_begin) / 2) * pair_stride;
+        for (int b = 0; b < blocks; b++) {
+            const __m512i va = value_block(a, 32 * b, head_dim), vc = value_block(c, 32 * b, head_dim);
+            _mm512_store_si512(pair + 128 * b, _mm512_unpacklo_epi16(vc, va));
+            _mm512_store_si512(pair + 128 * b + 64, _mm512_unpackhi_epi16(vc, va));
+        }
+    }
+    weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, buffer, pair_stride);
+}
+#endif
+
 /* weigh_pairs_dims with the common head sizes as constants (no lane masks) */
 static void weigh_pairs(const float *const *wrow, float *const *orow, int pairs, const char *v_base,
                         long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int is_bf16,
                         int resume) {
+#if HAS_BF16_PRODUCTS
+    if (is_bf16) {
+        weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, NULL, 0);
+        return;
+    }
+#endif
     if (head_dim == 64 && !is_bf16)
         weigh_pairs_dims(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, 64, 0, resume);
     else if (head_dim == 128 && !is_bf16)
@@ -324,6 +577,12 @@ static void weigh_pairs(const float *const *wrow, float *const *orow, int pairs,
 static void weigh_chunk(const float *const *wrow, float *const *orow, int pairs, const char *v_base,
                         long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int hd16,
                         int is_bf16, int resume) {
+#if HAS_BF16_PRODUCTS
+    if (is_bf16) {
+        weigh_bf16_chunk(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume);
+        return;
+    }
+#endif
     if (!is_bf16 || pairs <= HEADS_PER_PASS) {
         weigh_pairs(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, is_bf16, resume);
         return;
@@ -360,11 +619,13 @@ static float row_max(const float *row, int padded) {
 }
 
 /* The `group` rows of scores (row g at g * padded, num_keys of them, padded to a multiple of 8)
-   -> softmax weights exp(score - max) in place, max[g] and sum[g] (lane i of 8 sums keys i,
+   -> softmax weights exp(score - max) in place (rounded to bfloat16 for a bfloat16 cache:
+   the comment on weigh_bf16), max[g] and sum[g] of the weights (lane i of 8 sums keys i,
    i + 8, ... in order, then hsum8). The heads go side by side, key block by key block: each
    head's sum is one chain of adds, and `group` of them in flight hide their latency (one head
    at a time waited on its chain); each lane's operations are the same, so the same bits. */
-static void softmax_rows(float *scores, int padded, int num_keys, int group, float *max_out, float *sum_out) {
+static void softmax_rows(float *scores, int padded, int num_keys, int group, int is_bf16, float *max_out,
+                         float *sum_out) {
     __m256 sum[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *row = scores + g * padded;
@@ -377,7 +638,10 @@ static void softmax_rows(float *scores, int padded, int num_keys, int group, flo
     for (; l + 16 <= padded; l += 16)
         for (int g = 0; g < group; g++) {
             float *row = scores + g * padded;
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), _mm512_set1_ps(max_out[g])));
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), _mm512_set1_ps(max_out[g])));
+            if (is_bf16)
+                e = _mm512_insertf32x8(_mm512_castps256_ps512(round_bf16x8(_mm512_castps512_ps256(e))),
+                                       round_bf16x8(_mm512_extractf32x8_ps(e, 1)), 1);
             _mm512_storeu_ps(row + l, e);
             sum[g] = _mm256_add_ps(sum[g], _mm512_castps512_ps256(e));
             sum[g] = _mm256_add_ps(sum[g], _mm512_extractf32x8_ps(e, 1));
@@ -386,25 +650,29 @@ static void softmax_rows(float *scores, int padded, int num_keys, int group, flo
     for (; l < padded; l += 8)
         for (int g = 0; g < group; g++) {
             float *row = scores + g * padded;
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(max_out[g])));
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(max_out[g])));
+            if (is_bf16) e = round_bf16x8(e);
             _mm256_storeu_ps(row + l, e);
             sum[g] = _mm256_add_ps(sum[g], e);
         }
     for (int g = 0; g < group; g++) sum_out[g] = hsum8(sum[g]);
 }
 
-/* One query row against one KV head, scores: the `group` query heads q[g * hd16 ...] (float32,
-   already scaled, zero padded to hd16) against the keys at `slots` (num_keys of them), the
+/* One query row against one KV head, scores: the `group` query heads q[g * hdq ...] (as
+   load_queries gives them) against the keys at `slots` (num_keys of them), the
    scores of keys [0, scored) already in `scores` (scored: a multiple of ATT_LANES); then their
    softmax (softmax_rows). scores: >= round8(num_keys) * group floats of scratch, row g at
    g * round8(num_keys). */
 static void score_row(const float *q, const char *k_base, long slot_stride, const int64_t *slots, int num_keys,
-                      int scored, int group, int head_dim, int hd16, int is_bf16, float *scores, float *max_out,
+                      int scored, int group, int head_dim, int hdq, int is_bf16, float *scores, float *max_out,
                       float *sum_out) {
     const int padded = (num_keys + 7) / 8 * 8;
-    score_keys(q, k_base, slot_stride, slots + scored, num_keys - scored, group, head_dim, hd16, is_bf16, padded,
+    score_keys(q, k_base, slot_stride, slots + scored, num_keys - scored, group, head_dim, hdq, is_bf16, padded,
                scores + scored);
-    softmax_rows(scores, padded, num_keys, group, max_out, sum_out);
+    softmax_rows(scores, padded, num_keys, group, is_bf16, max_out, sum_out);
+#if HAS_BF16_PRODUCTS
+    if (is_bf16) pack_weight_pairs(scores, padded, group);        /* for weigh_bf16 */
+#endif
 }
 
 /* slots[0 .. n) = the slots of the allowed keys, in order; returns n. Masks are mostly runs
@@ -448,10 +716,10 @@ typedef struct {
     int num_keys;
 } row_scratch;
 
-static void scratch_alloc(row_scratch *s, int L, int num_heads, int group, int hd16) {
+static void scratch_alloc(row_scratch *s, int L, int num_heads, int group, int hdq) {
     s->scores = (float *)malloc((size_t)KEY_SPLIT * group * sizeof(float));
     s->slots = (int64_t *)malloc((size_t)(L > 0 ? L : 1) * sizeof(int64_t));
-    s->qf = (float *)calloc((size_t)num_heads * hd16, sizeof(float));
+    s->qf = (float *)calloc((size_t)num_heads * hdq, sizeof(float));
 }
 
 static void scratch_free(row_scratch *s) { free(s->scores), free(s->slots), free(s->qf); }
@@ -484,7 +752,7 @@ typedef struct {
     const int64_t *kv_indices;
     const uint8_t *mask;
     const int32_t *row_batch, *row_query;
-    int L, Q, num_heads, num_kv_heads, group, head_dim, hd16, q_bf16, is_bf16;
+    int L, Q, num_heads, num_kv_heads, group, head_dim, hd16, hdq, q_bf16, is_bf16;    /* hdq: a query head's floats in qf */
 } att_call;
 
 /* the allowed keys of rows t0 .. t0 + rows - 1 into s; returns the keys they all share */
@@ -497,14 +765,22 @@ static int gather_rows(const att_call *c, int t0, int rows, row_scratch *s) {
     return rows > 1 ? shared_keys(s, rows) : 0;
 }
 
-/* the scaled query heads of rows t0 .. into s[r].qf (head i at i * hd16, zero padded) */
+/* the scaled query heads of rows t0 .. into s[r].qf, head i at i * hdq, zero padded: float32
+   for a float32 cache; for a bfloat16 one rounded to bfloat16, as bfloat16 where vdpbf16ps
+   reads them, pair-split float32 elsewhere (the comment on PAIR_DIMS) */
 static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
     const float scale = 1.0f / sqrtf((float)c->head_dim);
     for (int r = 0; r < rows; r++) {
         const long q_off = (long)(t0 + r) * c->q_ld;
-        for (int i = 0; i < c->num_heads; i++)
-            for (int d = 0; d < c->head_dim; d++)
-                s[r].qf[i * c->hd16 + d] = get_elem(c->q, q_off + (long)i * c->head_dim + d, c->q_bf16) * scale;
+        for (int i = 0; i < c->num_heads; i++) {
+            float *head = s[r].qf + (long)i * c->hdq;
+            for (int d = 0; d < c->head_dim; d++) {
+                const float x = get_elem(c->q, q_off + (long)i * c->head_dim + d, c->q_bf16) * scale;
+                if (!c->is_bf16) head[d] = x;
+                else if (HAS_BF16_PRODUCTS) ((uint16_t *)head)[d] = f32_to_bf16(x);
+                else head[pair_split_pos(d)] = round_to(x, 1);
+            }
+        }
     }
 }
 
@@ -518,7 +794,8 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
                          long part_stride) {
     const int group = c->group, head_dim = c->head_dim, hd16 = c->hd16, is_bf16 = c->is_bf16, esize = is_bf16 ? 2 : 4;
     const int k0 = split * KEY_SPLIT;
-    const long q0 = (long)h * group * hd16;          /* this KV head's query heads in qf */
+    const int hdq = c->hdq;
+    const long q0 = (long)h * group * hdq;           /* this KV head's query heads in qf */
     const char *k_base = (const char *)c->k_layer + h * c->kv.head;
     const char *v_base = (const char *)c->v_layer + h * c->kv.head;
     const long stride = c->kv.slot;
@@ -534,7 +811,7 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
     float *outs[ROW_BLOCK * MAX_GROUP];
     for (int r = 0; in_registers && r < rows; r++)
         for (int g = 0; g < group; g++) {
-            qs[r * group + g] = s[r].qf + q0 + g * hd16;
+            qs[r * group + g] = s[r].qf + q0 + g * hdq;
             outs[r * group + g] = s[r].scores + g * ((count[r] + 7) / 8 * 8);
         }
     for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
@@ -548,18 +825,18 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
             score_tile_bf16_64(qs, rows * group, tile, outs, l0, ATT_LANES);
             continue;
         }
-        tile_rows(tile, keys, widened, head_dim, hd16, is_bf16);
+        tile_rows(tile, keys, widened, head_dim, hdq, is_bf16);
         for (int r = 0; r < rows; r++) {
             const int padded = (count[r] + 7) / 8 * 8;
             for (int g = 0; g < group; g++)
                 v_store_part(s[r].scores + g * padded + l0,
-                             score_tile(s[r].qf + q0 + g * hd16, keys, head_dim, hd16), ATT_LANES);
+                             score_head(s[r].qf + q0 + g * hdq, keys, head_dim, hdq, is_bf16), ATT_LANES);
         }
     }
     for (int r = 0; r < rows; r++) {
         float *p = part + r * part_stride;
         if (count[r] > 0) {
-            score_row(s[r].qf + q0, k_base, stride, s[r].slots + k0, count[r], common, group, head_dim, hd16, is_bf16,
+            score_row(s[r].qf + q0, k_base, stride, s[r].slots + k0, count[r], common, group, head_dim, hdq, is_bf16,
                       s[r].scores, p, p + group);
         } else {
             for (int g = 0; g < group; g++) p[g] = -INFINITY, p[group + g] = 0.0f;
@@ -736,7 +1013,7 @@ static void attend_by_split(const att_call *c, const int *segment_start, int num
     }
     {
         row_scratch scratch[ROW_BLOCK];
-        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hd16);
+        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hdq);
         int loaded = -1, shared = 0;         /* the segment whose keys and queries scratch holds */
         #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < per_head * max_splits; task++) {
@@ -771,7 +1048,7 @@ static void attend_by_segment(const att_call *c, const int *segment_start, int n
     const long pf = partial_floats(c->group, c->head_dim);
     {
         row_scratch scratch[ROW_BLOCK];
-        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hd16);
+        for (int r = 0; r < block; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hdq);
         float *part = (float *)malloc((size_t)block * c->num_kv_heads * max_splits * pf * sizeof(float));
         /* dynamic: requests' key counts differ (a batch of 32 mixed prompts: -5% against
            contiguous static halves); a task writes only its own rows, so bits do not depend on
@@ -805,7 +1082,8 @@ static int attention_rows_team(const void *q, long q_ld, const void *k_layer, co
     const int is_bf16 = kv_dtype == DTYPE_BF16;
     const att_call c = {q, k_layer, v_layer, q_ld, kv, kv_indices, mask,
                         row_batch, row_query, L, Q, num_heads, num_kv_heads, group, head_dim,
-                        (head_dim + 15) / 16 * 16, dtype == DTYPE_BF16, is_bf16};
+                        (head_dim + 15) / 16 * 16, is_bf16 ? round_pairs(head_dim) : (head_dim + 15) / 16 * 16,
+                        dtype == DTYPE_BF16, is_bf16};
     const int max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
     int *segment_start = (int *)malloc((size_t)(T + 1) * sizeof(int));
     const att_plan plan = plan_attention(row_batch, T, L, num_kv_heads, omp_get_num_threads(), segment_start);

@@ -43,7 +43,7 @@ def is_available() -> bool:
 
 
 def kernel_variant() -> str:
-    """The ISA variant of the CPU kernels in use ("avx512_vnni", "avx2"), or "none"."""
+    """The ISA variant of the CPU kernels in use ("avx512_bf16", "avx512_vnni", "avx2"), or "none"."""
     return build.variant_name()
 
 

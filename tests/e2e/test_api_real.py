@@ -80,7 +80,7 @@ def test_info_endpoints(http: httpx.Client) -> None:
     assert http.get("/v1/models").json()["data"][0]["object"] == "model"
     info = http.get("/get_server_info").json()
     assert "avg_spec_accept_length" in info and "model_path" in info
-    assert info["quantization"] == "unquant" and info["cpu_kernel_variant"] in ("avx512_vnni", "avx2", "none")
+    assert info["quantization"] == "unquant" and info["cpu_kernel_variant"] in ("avx512_bf16", "avx512_vnni", "avx2", "none")
     assert http.get("/get_model_info").json()["context_length"] > 0
 
 
