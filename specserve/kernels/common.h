@@ -58,6 +58,15 @@ static inline __m256 round_bf16x8(__m256 v) {
     b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
     return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xffff0000u)));
 }
+#ifdef __AVX512F__
+/* round_bf16x8 on 16 lanes */
+static inline __m512 round_bf16x16(__m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#endif
 /* round_to on 8 lanes: f32_to_bf16's bits, NaNs included */
 static inline __m256 round_to8(__m256 v, int is_bf16) {
     if (!is_bf16) return v;

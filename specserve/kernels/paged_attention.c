@@ -408,22 +408,16 @@ static inline __attribute__((always_inline)) void weigh_pairs_dims(
 
 static const uint16_t zero_value_row[MAX_HEAD_DIM];
 
-/* weights rows (row g at g * padded floats, bfloat16 values as float32) packed in place into key
-   pairs: word l / 2 = w_(l+1) in the low half, w_l in the high half (l even) */
-static void pack_weight_pairs(float *scores, int padded, int group) {
-    for (int g = 0; g < group; g++) {
-        float *row = scores + (long)g * padded;
-        uint32_t *out = (uint32_t *)row;
-        int l = 0;
-        for (; l + 16 <= padded; l += 16) {
-            const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(row + l)), 16));
-            _mm256_storeu_si256((__m256i *)(out + l / 2), _mm256_rol_epi32(b, 16));
-        }
-        if (l < padded) {       /* padded is a multiple of 8 */
-            const __m128i b = _mm256_cvtepi32_epi16(_mm256_srli_epi32(_mm256_castps_si256(_mm256_loadu_ps(row + l)), 16));
-            _mm_storeu_si128((__m128i *)(out + l / 2), _mm_rol_epi32(b, 16));
-        }
-    }
+/* weights l .. l + 15 (bfloat16 values as float32) stored packed in key pairs over the start of
+   their row: word l / 2 + i = w_(l+2i+1) in the low half, w_(l+2i) in the high half (l even,
+   and the packed words never overtake the weights still to be read) */
+static inline void store_weight_pairs16(float *row, int l, __m512 w) {
+    const __m256i b = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(w), 16));
+    _mm256_storeu_si256((__m256i *)((uint32_t *)row + l / 2), _mm256_rol_epi32(b, 16));
+}
+static inline void store_weight_pairs8(float *row, int l, __m256 w) {
+    const __m128i b = _mm256_cvtepi32_epi16(_mm256_srli_epi32(_mm256_castps_si256(w), 16));
+    _mm_storeu_si128((__m128i *)((uint32_t *)row + l / 2), _mm_rol_epi32(b, 16));
 }
 
 /* a value row's dims d .. d + 31 as bfloat16, zeros past head_dim */
@@ -619,9 +613,9 @@ static float row_max(const float *row, int padded) {
 }
 
 /* The `group` rows of scores (row g at g * padded, num_keys of them, padded to a multiple of 8)
-   -> softmax weights exp(score - max) in place (rounded to bfloat16 for a bfloat16 cache:
-   the comment on weigh_bf16), max[g] and sum[g] of the weights (lane i of 8 sums keys i,
-   i + 8, ... in order, then hsum8). The heads go side by side, key block by key block: each
+   -> softmax weights exp(score - max) in place (for a bfloat16 cache rounded to bfloat16, and
+   packed in key pairs where weigh_bf16 reads them so), max[g] and sum[g] of the weights (lane
+   i of 8 sums keys i, i + 8, ... in order, then hsum8). The heads go side by side, key block by key block: each
    head's sum is one chain of adds, and `group` of them in flight hide their latency (one head
    at a time waited on its chain); each lane's operations are the same, so the same bits. */
 static void softmax_rows(float *scores, int padded, int num_keys, int group, int is_bf16, float *max_out,
@@ -639,10 +633,12 @@ static void softmax_rows(float *scores, int padded, int num_keys, int group, int
         for (int g = 0; g < group; g++) {
             float *row = scores + g * padded;
             __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), _mm512_set1_ps(max_out[g])));
-            if (is_bf16)
-                e = _mm512_insertf32x8(_mm512_castps256_ps512(round_bf16x8(_mm512_castps512_ps256(e))),
-                                       round_bf16x8(_mm512_extractf32x8_ps(e, 1)), 1);
-            _mm512_storeu_ps(row + l, e);
+            if (is_bf16) e = round_bf16x16(e);
+#if HAS_BF16_PRODUCTS
+            if (is_bf16) store_weight_pairs16(row, l, e);
+            else
+#endif
+                _mm512_storeu_ps(row + l, e);
             sum[g] = _mm256_add_ps(sum[g], _mm512_castps512_ps256(e));
             sum[g] = _mm256_add_ps(sum[g], _mm512_extractf32x8_ps(e, 1));
         }
@@ -652,7 +648,11 @@ static void softmax_rows(float *scores, int padded, int num_keys, int group, int
             float *row = scores + g * padded;
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(max_out[g])));
             if (is_bf16) e = round_bf16x8(e);
-            _mm256_storeu_ps(row + l, e);
+#if HAS_BF16_PRODUCTS
+            if (is_bf16) store_weight_pairs8(row, l, e);
+            else
+#endif
+                _mm256_storeu_ps(row + l, e);
             sum[g] = _mm256_add_ps(sum[g], e);
         }
     for (int g = 0; g < group; g++) sum_out[g] = hsum8(sum[g]);
@@ -670,9 +670,6 @@ static void score_row(const float *q, const char *k_base, long slot_stride, cons
     score_keys(q, k_base, slot_stride, slots + scored, num_keys - scored, group, head_dim, hdq, is_bf16, padded,
                scores + scored);
     softmax_rows(scores, padded, num_keys, group, is_bf16, max_out, sum_out);
-#if HAS_BF16_PRODUCTS
-    if (is_bf16) pack_weight_pairs(scores, padded, group);        /* for weigh_bf16 */
-#endif
 }
 
 /* slots[0 .. n) = the slots of the allowed keys, in order; returns n. Masks are mostly runs
@@ -752,7 +749,8 @@ typedef struct {
     const int64_t *kv_indices;
     const uint8_t *mask;
     const int32_t *row_batch, *row_query;
-    int L, Q, num_heads, num_kv_heads, group, head_dim, hd16, hdq, q_bf16, is_bf16;    /* hdq: a query head's floats in qf */
+    int L, Q, num_heads, num_kv_heads, group, head_dim, hd16, q_bf16, is_bf16;
+    int hdq;                       /* a query head's floats in row_scratch.qf (load_queries) */
 } att_call;
 
 /* the allowed keys of rows t0 .. t0 + rows - 1 into s; returns the keys they all share */
@@ -784,6 +782,28 @@ static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
     }
 }
 
+/* The scores of the `common` keys at slots (whole tiles) for n (row, query head) pairs: query
+   qs[p], scores into outs[p], each tile's keys loaded (and widened) once for every pair. (A tile
+   transposed once, for scores without shuffles, was 4-7% faster at 8 rows in a harness and
+   slower at 2: not kept.) */
+static void score_shared(const float *const *qs, float *const *outs, int n, const char *k_base, long stride,
+                         const int64_t *slots, int common, int head_dim, int hdq, int is_bf16) {
+    const int esize = is_bf16 ? 2 : 4;
+    for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
+        const char *tile[ATT_LANES], *keys[ATT_LANES];
+        for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + slots[l0 + i] * stride;
+        for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < common; i++)
+            prefetch_row(k_base + slots[l0 + ATT_LANES + i] * stride, head_dim * esize);
+        if (scores_bf16_64(head_dim, is_bf16)) {
+            score_tile_bf16_64(qs, n, tile, outs, l0, ATT_LANES);
+            continue;
+        }
+        float widened[ATT_LANES * MAX_HEAD_DIM];
+        tile_rows(tile, keys, widened, head_dim, hdq, is_bf16);
+        for (int p = 0; p < n; p++) v_store(outs[p] + l0, score_head(qs[p], keys, head_dim, hdq, is_bf16));
+    }
+}
+
 /* Split `split` of rows t0 .. t0 + rows - 1 (one request; queries loaded) against KV head h:
    each row's partial into part + r * part_stride (max -inf, sum 0 for a row without keys in
    it). The score tiles of keys every row attends to (the shared prefix) are scored for all
@@ -792,7 +812,7 @@ static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
    change. */
 static void attend_split(const att_call *c, int rows, int h, int split, int shared, row_scratch *s, float *part,
                          long part_stride) {
-    const int group = c->group, head_dim = c->head_dim, hd16 = c->hd16, is_bf16 = c->is_bf16, esize = is_bf16 ? 2 : 4;
+    const int group = c->group, head_dim = c->head_dim, hd16 = c->hd16, is_bf16 = c->is_bf16;
     const int k0 = split * KEY_SPLIT;
     const int hdq = c->hdq;
     const long q0 = (long)h * group * hdq;           /* this KV head's query heads in qf */
@@ -806,33 +826,14 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
     }
     int common = shared - k0;                /* keys of this split every row attends to */
     common = common < 0 ? 0 : common > KEY_SPLIT ? KEY_SPLIT : common;
-    const int in_registers = scores_bf16_64(head_dim, is_bf16);
     const float *qs[ROW_BLOCK * MAX_GROUP];
     float *outs[ROW_BLOCK * MAX_GROUP];
-    for (int r = 0; in_registers && r < rows; r++)
+    for (int r = 0; r < rows; r++)
         for (int g = 0; g < group; g++) {
             qs[r * group + g] = s[r].qf + q0 + g * hdq;
             outs[r * group + g] = s[r].scores + g * ((count[r] + 7) / 8 * 8);
         }
-    for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
-        const char *tile[ATT_LANES], *keys[ATT_LANES];
-        float widened[ATT_LANES * MAX_HEAD_DIM];
-        const int64_t *slots = s[0].slots + k0;
-        for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + slots[l0 + i] * stride;
-        for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < common; i++)
-            prefetch_row(k_base + slots[l0 + ATT_LANES + i] * stride, head_dim * esize);
-        if (in_registers) {
-            score_tile_bf16_64(qs, rows * group, tile, outs, l0, ATT_LANES);
-            continue;
-        }
-        tile_rows(tile, keys, widened, head_dim, hdq, is_bf16);
-        for (int r = 0; r < rows; r++) {
-            const int padded = (count[r] + 7) / 8 * 8;
-            for (int g = 0; g < group; g++)
-                v_store_part(s[r].scores + g * padded + l0,
-                             score_head(s[r].qf + q0 + g * hdq, keys, head_dim, hdq, is_bf16), ATT_LANES);
-        }
-    }
+    score_shared(qs, outs, rows * group, k_base, stride, s[0].slots + k0, common, head_dim, hdq, is_bf16);
     for (int r = 0; r < rows; r++) {
         float *p = part + r * part_stride;
         if (count[r] > 0) {
@@ -1082,8 +1083,8 @@ static int attention_rows_team(const void *q, long q_ld, const void *k_layer, co
     const int is_bf16 = kv_dtype == DTYPE_BF16;
     const att_call c = {q, k_layer, v_layer, q_ld, kv, kv_indices, mask,
                         row_batch, row_query, L, Q, num_heads, num_kv_heads, group, head_dim,
-                        (head_dim + 15) / 16 * 16, is_bf16 ? round_pairs(head_dim) : (head_dim + 15) / 16 * 16,
-                        dtype == DTYPE_BF16, is_bf16};
+                        (head_dim + 15) / 16 * 16, dtype == DTYPE_BF16, is_bf16,
+                        is_bf16 ? round_pairs(head_dim) : (head_dim + 15) / 16 * 16};
     const int max_splits = L > 0 ? (L + KEY_SPLIT - 1) / KEY_SPLIT : 1;
     int *segment_start = (int *)malloc((size_t)(T + 1) * sizeof(int));
     const att_plan plan = plan_attention(row_batch, T, L, num_kv_heads, omp_get_num_threads(), segment_start);
