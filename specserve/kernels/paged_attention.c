@@ -98,9 +98,9 @@ static inline void prefetch_row(const char *p, int bytes) {
    key rows widened "pair-split": a chunk's odd dims at positions 0-15, its even dims at 16-31,
    so that score_tile_f32's chains p_i over positions i, i + 16, ... are those lanes' sums: the
    same bits on every variant (vdpbf16ps also treats denormal inputs and sums as zero, which the
-   FMAs do not: they differ only where a product or partial sum is below ~1e-38). At 8 rows x 3
-   heads a key row is then read as bfloat16 by vdpbf16ps, twice the products an instruction of
-   an FMA over widened rows. */
+   FMAs do not: they differ only where a product or partial sum is below ~1e-38). vdpbf16ps
+   reads a key row as bfloat16 and makes two products a lane where an FMA over a widened row
+   makes one. */
 #define PAIR_DIMS 32
 static inline int round_pairs(int head_dim) { return (head_dim + PAIR_DIMS - 1) / PAIR_DIMS * PAIR_DIMS; }
 /* the position of dim d in a pair-split row */
@@ -401,9 +401,8 @@ static inline __attribute__((always_inline)) void weigh_pairs_dims(
    so each product w_l V[l][d] is exact, and vdpbf16ps over a pair of keys (l, l + 1) adds
    w_l V[l][d] (its odd element) and then w_(l+1) V[l+1][d]: each element gets weigh_pass's chain
    of FMAs, in key order, the same bits, at half the instructions. A key pair's value rows are
-   interleaved by unpacking (key l + 1 in the low halves); an odd last key pairs with zeros. The
-   accumulators hold each 32-dim block's dims in unpack order: lane 4b + e of the low one is dim
-   8b + e, of the high one 8b + 4 + e. */
+   interleaved by unpacking (unpack_value_pair; key l + 1 in the low halves), and the
+   accumulators hold their dims in that order; an odd last key pairs with zeros. */
 #define PAIRS_PER_BLOCK 2     /* 32-dim blocks weighed per pass: 64 dims, as weigh_pass */
 
 static const uint16_t zero_value_row[MAX_HEAD_DIM];
@@ -425,6 +424,13 @@ static inline __m512i value_block(const char *row, int d, int head_dim) {
     const int n = head_dim - d;
     const __mmask32 m = n >= 32 ? (__mmask32)0xffffffffu : n > 0 ? (__mmask32)((1u << n) - 1) : 0;
     return _mm512_maskz_loadu_epi16(m, row + 2 * (long)d);
+}
+/* value rows a (key l) and c (key l + 1), dims d .. d + 31, interleaved for vdpbf16ps: *lo holds
+   dims d + 8b + e (b = 0..3, e = 0..3) in lanes 4b + e, *hi dims d + 8b + 4 + e */
+static inline void unpack_value_pair(const char *a, const char *c, int d, int head_dim, __m512i *lo, __m512i *hi) {
+    const __m512i va = value_block(a, d, head_dim), vc = value_block(c, d, head_dim);
+    *lo = _mm512_unpacklo_epi16(vc, va);
+    *hi = _mm512_unpackhi_epi16(vc, va);
 }
 /* unpack order <-> dims in order: lanes 0-15 of dims d .. d + 15 (half 0) or d + 16 .. d + 31 */
 static inline __m512i to_dims_index(int half) {
@@ -474,11 +480,8 @@ static inline __attribute__((always_inline)) void weigh_bf16_pass(
             }
             const char *a = v_base + slots[l] * slot_stride;
             const char *c = l + 1 < l_end ? v_base + slots[l + 1] * slot_stride : (const char *)zero_value_row;
-            for (int b = 0; b < PAIRS_PER_BLOCK; b++) {
-                const __m512i va = value_block(a, d0 + 32 * b, head_dim), vc = value_block(c, d0 + 32 * b, head_dim);
-                v[2 * b] = _mm512_unpacklo_epi16(vc, va);
-                v[2 * b + 1] = _mm512_unpackhi_epi16(vc, va);
-            }
+            for (int b = 0; b < PAIRS_PER_BLOCK; b++)
+                unpack_value_pair(a, c, d0 + 32 * b, head_dim, &v[2 * b], &v[2 * b + 1]);
         }
         for (int g = 0; g < NG; g++) {
             const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wpk[g][l / 2]);
@@ -534,9 +537,10 @@ static void weigh_bf16_chunk(const float *const *wrow, float *const *orow, int p
         const char *c = l + 1 < l_end ? v_base + slots[l + 1] * slot_stride : (const char *)zero_value_row;
         char *pair = buffer + (long)((l - l_begin) / 2) * pair_stride;
         for (int b = 0; b < blocks; b++) {
-            const __m512i va = value_block(a, 32 * b, head_dim), vc = value_block(c, 32 * b, head_dim);
-            _mm512_store_si512(pair + 128 * b, _mm512_unpacklo_epi16(vc, va));
-            _mm512_store_si512(pair + 128 * b + 64, _mm512_unpackhi_epi16(vc, va));
+            __m512i lo, hi;
+            unpack_value_pair(a, c, 32 * b, head_dim, &lo, &hi);
+            _mm512_store_si512(pair + 128 * b, lo);
+            _mm512_store_si512(pair + 128 * b + 64, hi);
         }
     }
     weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, buffer, pair_stride);
