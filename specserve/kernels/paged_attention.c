@@ -768,20 +768,27 @@ static int gather_rows(const att_call *c, int t0, int rows, row_scratch *s) {
 }
 
 /* the scaled query heads of rows t0 .. into s[r].qf, head i at i * hdq, zero padded: float32
-   for a float32 cache; for a bfloat16 one rounded to bfloat16, as bfloat16 where vdpbf16ps
-   reads them, pair-split float32 elsewhere (the comment on PAIR_DIMS) */
+   for a float32 cache; for a bfloat16 one rounded to bfloat16 (as f32_to_bf16), as bfloat16
+   where vdpbf16ps reads them, pair-split float32 elsewhere (the comment on PAIR_DIMS). By
+   vectors: element by element this took ~5 cycles an element, ~7 us a layer at 8 rows. */
 static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
-    const float scale = 1.0f / sqrtf((float)c->head_dim);
+    const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)c->head_dim));
+    const int esize = c->q_bf16 ? 2 : 4, head_dim = c->head_dim;
+    uint16_t rounded[MAX_HEAD_DIM];
     for (int r = 0; r < rows; r++) {
-        const long q_off = (long)(t0 + r) * c->q_ld;
+        const char *row = (const char *)c->q + (long)(t0 + r) * c->q_ld * esize;
         for (int i = 0; i < c->num_heads; i++) {
+            const char *src = row + (long)i * head_dim * esize;
             float *head = s[r].qf + (long)i * c->hdq;
-            for (int d = 0; d < c->head_dim; d++) {
-                const float x = get_elem(c->q, q_off + (long)i * c->head_dim + d, c->q_bf16) * scale;
-                if (!c->is_bf16) head[d] = x;
-                else if (HAS_BF16_PRODUCTS) ((uint16_t *)head)[d] = f32_to_bf16(x);
-                else head[pair_split_pos(d)] = round_to(x, 1);
+            if (!c->is_bf16) {
+                for (int d = 0; d < head_dim; d += 8)
+                    _mm256_storeu_ps(head + d, _mm256_mul_ps(load8(src + d * esize, c->q_bf16), scale));
+                continue;
             }
+            uint16_t *dst = HAS_BF16_PRODUCTS ? (uint16_t *)head : rounded;
+            for (int d = 0; d < head_dim; d += 8)
+                store8(dst + d, _mm256_mul_ps(load8(src + d * esize, c->q_bf16), scale), 1);
+            if (!HAS_BF16_PRODUCTS) widen_pair_split((const char *)rounded, head, head_dim, c->hdq);
         }
     }
 }
