@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def _stop_as_on_ctrl_c(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# A run stopped by SIGTERM (`kill`, a CI timeout) ends as Ctrl-C does: fixtures tear down, so
+# the servers they started stop too (they were left running, ~4 GB each, when SIGTERM ended
+# pytest at once).
+signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
 
 
 @pytest.fixture(scope="session")
