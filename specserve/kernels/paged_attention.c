@@ -619,9 +619,10 @@ static float row_max(const float *row, int padded) {
 /* The `group` rows of scores (row g at g * padded, num_keys of them, padded to a multiple of 8)
    -> softmax weights exp(score - max) in place (for a bfloat16 cache rounded to bfloat16, and
    packed in key pairs where weigh_bf16 reads them so), max[g] and sum[g] of the weights (lane
-   i of 8 sums keys i, i + 8, ... in order, then hsum8). The heads go side by side, key block by key block: each
-   head's sum is one chain of adds, and `group` of them in flight hide their latency (one head
-   at a time waited on its chain); each lane's operations are the same, so the same bits. */
+   i of 8 sums keys i, i + 8, ... in order, then hsum8). The heads go side by side, key block
+   by key block: each head's sum is one chain of adds, and `group` of them in flight hide
+   their latency (one head at a time waited on its chain); each lane's operations are the
+   same, so the same bits. */
 static void softmax_rows(float *scores, int padded, int num_keys, int group, int is_bf16, float *max_out,
                          float *sum_out) {
     __m256 sum[MAX_GROUP];
@@ -770,7 +771,8 @@ static int gather_rows(const att_call *c, int t0, int rows, row_scratch *s) {
 /* the scaled query heads of rows t0 .. into s[r].qf, head i at i * hdq, zero padded: float32
    for a float32 cache; for a bfloat16 one rounded to bfloat16 (as f32_to_bf16), as bfloat16
    where vdpbf16ps reads them, pair-split float32 elsewhere (the comment on PAIR_DIMS). By
-   vectors: element by element this took ~5 cycles an element, ~7 us a layer at 8 rows. */
+   vectors (element by element, attention at 8 rows took 2.16-2.28 ms a forward against
+   2.13-2.21, 1 thread, AVX-512 Zen4). */
 static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
     const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)c->head_dim));
     const int esize = c->q_bf16 ? 2 : 4, head_dim = c->head_dim;
