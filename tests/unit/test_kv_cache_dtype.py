@@ -1,4 +1,5 @@
-"""``--kv-cache-dtype bf16``: the cache holds bfloat16, attention computes in float32 over it."""
+"""``--kv-cache-dtype bf16``: the cache holds bfloat16; the native kernel multiplies in bfloat16
+over it, the torch path in float32."""
 from __future__ import annotations
 
 import pytest
