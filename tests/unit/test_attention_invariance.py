@@ -170,17 +170,35 @@ def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone(dtype, n):
 
 
 
+def runnable_variants() -> list[str]:
+    """The native kernel's ISA variants this CPU builds and runs, best first."""
+    from specserve.kernels import build
+
+    return [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]
+
+
+def attention_of_every_variant(q: torch.Tensor, cache: KVCache, meta, variants: list[str]) -> torch.Tensor:
+    """The native kernel's attention over layer 0 of ``cache`` by each variant: asserts they all
+    give the same bits, and returns that result."""
+    from specserve.kernels import build
+
+    results = [attention_kernel.paged_attention(q, cache.k[0], cache.v[0], meta.kv_indices, meta.query_mask,
+                                                meta.row_batch, meta.row_query, library=build.load_variant(name))
+               for name in variants]
+    for other in results[1:]:
+        assert torch.equal(other, results[0])
+    return results[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_runnable_kernel_variant_gives_the_same_bits(dtype, attention_path):
     """The AVX2 variant (8 keys a tile; bfloat16 rows of 64 widened in registers) and the
     AVX-512 one (16 keys a tile) compute the same sums: one result, whatever the CPU, for decode
     rows, a tree-masked verify beside them and contexts across key splits. Variants this CPU
     cannot run are skipped."""
-    from specserve.kernels import build
-
     if attention_path != "native kernel":
         pytest.skip("compares the native kernel's variants")
-    variants = [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]
+    variants = runnable_variants()
     if len(variants) < 2:
         pytest.skip(f"only {variants} runs on this CPU")
     torch.manual_seed(3)
@@ -195,9 +213,4 @@ def test_every_runnable_kernel_variant_gives_the_same_bits(dtype, attention_path
         kv_indices[b, :len(slots)] = torch.tensor(slots)
     meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor([s[-1] for s in rows[:2]] + rows[2][-6:]),
                           [None, None, tree], num_kv_groups=GROUP, pad_slot=PAD_SLOT)
-    q = torch.randn(sum(extend_lens), NUM_KV * GROUP, HEAD_DIM)
-    results = [attention_kernel.paged_attention(q, cache.k[0], cache.v[0], meta.kv_indices, meta.query_mask,
-                                                meta.row_batch, meta.row_query, library=build.load_variant(name))
-               for name in variants]
-    for other in results[1:]:
-        assert torch.equal(other, results[0])
+    attention_of_every_variant(torch.randn(sum(extend_lens), NUM_KV * GROUP, HEAD_DIM), cache, meta, variants)

@@ -9,6 +9,7 @@ from specserve.config import ConfigError, ServerArgs
 from specserve.kernels import attention as attention_kernel
 from specserve.models.attention import KVCache, TorchSDPABackend, build_metadata
 from specserve.runner.model_runner import resolve_kv_dtype
+from tests.unit.test_attention_invariance import attention_of_every_variant, runnable_variants
 
 NUM_KV, GROUP, HEAD_DIM = 2, 3, 64
 
@@ -98,11 +99,8 @@ def test_bfloat16_products_at_every_head_size_and_variant(head_dim):
     """Heads that are not a whole number of the kernel's 32-dim chunks (the last chunk's lanes
     masked) and 128: every kernel variant this CPU runs (vdpbf16ps where the CPU has it, FMAs
     over pair-split rows elsewhere) gives the same bits, the bfloat16-product attention."""
-    from specserve.kernels import build
-
     if not attention_kernel.is_available():
         pytest.skip("CPU kernels not built here (or SPECSERVE_KERNELS=0)")
-    variants = [v.name for v in build.VARIANTS if build.load_variant(v.name) is not None]
     torch.manual_seed(1)
     cache = KVCache(1, 512, NUM_KV, head_dim, torch.bfloat16, "cpu")
     cache.k[0], cache.v[0] = torch.randn(512, NUM_KV, head_dim), torch.randn(512, NUM_KV, head_dim)
@@ -114,12 +112,7 @@ def test_bfloat16_products_at_every_head_size_and_variant(head_dim):
     meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor(rows[0][-5:] + rows[1][-1:]),
                           num_kv_groups=GROUP, pad_slot=511)
     q = torch.randn(sum(extend_lens), NUM_KV * GROUP, head_dim)
-    results = [attention_kernel.paged_attention(q, cache.k[0], cache.v[0], meta.kv_indices, meta.query_mask,
-                                                meta.row_batch, meta.row_query, library=build.load_variant(name))
-               for name in variants]
-    for other in results[1:]:
-        assert torch.equal(other, results[0])
-    out = results[0].view(len(q), NUM_KV * GROUP, head_dim)
+    out = attention_of_every_variant(q, cache, meta, runnable_variants()).view(len(q), NUM_KV * GROUP, head_dim)
     keys, values = cache.k[0].float(), cache.v[0].float()
     outs, expected = [], []
     for t, (b, j) in enumerate(zip(meta.row_batch.tolist(), meta.row_query.tolist())):
