@@ -108,18 +108,24 @@ static inline int pair_split_pos(int d) {
     const int c = d % PAIR_DIMS;
     return d - c + ((c & 1) ? c / 2 : PAIR_DIMS / 2 + c / 2);
 }
+/* 8 32-bit words of a bfloat16 row (16 dims) as float32: *odd the high halves (dims 2i + 1),
+   *even the low halves (dims 2i), exact */
+static inline void split_pairs8(const char *words, __m256 *odd, __m256 *even) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)words);
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 /* a bfloat16 row of head_dim (a multiple of 8) widened pair-split into hdq floats (exact, zeros
-   past head_dim): whole chunks by vectors (odd dims: the high halves of the row's 32-bit words;
-   even: the low halves), a short last chunk element by element */
+   past head_dim): whole chunks by vectors, a short last chunk element by element */
 static inline __attribute__((always_inline)) void widen_pair_split_dims(const char *row, float *dst, int head_dim,
                                                                         int hdq) {
-    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     int d = 0;
     for (; d + PAIR_DIMS <= head_dim; d += PAIR_DIMS)
         for (int half = 0; half < 2; half++) {      /* words 0-7 -> lanes 0-7, words 8-15 -> 8-15 */
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 2 * (long)d + 32 * half));
-            _mm256_storeu_ps(dst + d + 8 * half, _mm256_castsi256_ps(_mm256_and_si256(w, high)));
-            _mm256_storeu_ps(dst + d + 16 + 8 * half, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            __m256 odd, even;
+            split_pairs8(row + 2 * (long)d + 32 * half, &odd, &even);
+            _mm256_storeu_ps(dst + d + 8 * half, odd);
+            _mm256_storeu_ps(dst + d + 16 + 8 * half, even);
         }
     if (d < hdq) {
         memset(dst + d, 0, (size_t)(hdq - d) * sizeof(float));
@@ -295,11 +301,8 @@ static void score_tile_bf16_64(const float *const *qs, int nq, const char *const
         const uint16_t *row = (const uint16_t *)key_rows[i];
         __m256 k[8];                 /* pair-split: chunk c / 4, odd dims of words 0-7, 8-15, even of 0-7, 8-15 */
         for (int c = 0; c < 8; c += 4)
-            for (int half = 0; half < 2; half++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * c + 16 * half));
-                k[c + half] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
-                k[c + 2 + half] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-            }
+            for (int half = 0; half < 2; half++)
+                split_pairs8((const char *)(row + 8 * c + 16 * half), &k[c + half], &k[c + 2 + half]);
         for (int j = 0; j < nq; j++) {
             const float *q = qs[j];
             __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
@@ -432,20 +435,18 @@ static inline void unpack_value_pair(const char *a, const char *c, int d, int he
     *lo = _mm512_unpacklo_epi16(vc, va);
     *hi = _mm512_unpackhi_epi16(vc, va);
 }
-/* unpack order <-> dims in order: lanes 0-15 of dims d .. d + 15 (half 0) or d + 16 .. d + 31 */
-static inline __m512i to_dims_index(int half) {
-    int idx[16];
-    for (int j = 0; j < 16; j++) idx[j] = (j % 8 < 4 ? 0 : 16) + 4 * (2 * half + j / 8) + j % 4;
-    return _mm512_loadu_si512(idx);
-}
-static inline __m512i to_unpack_index(int high) {
-    int idx[16];
-    for (int i = 0; i < 16; i++) {
-        const int dim = 8 * (i / 4) + 4 * high + i % 4;        /* of the block's 32 */
-        idx[i] = (dim < 16 ? 0 : 16) + dim % 16;
-    }
-    return _mm512_loadu_si512(idx);
-}
+/* unpack order <-> dims in order, as vpermt2ps indices (0-15: the first source, 16-31: the
+   second). TO_DIMS[half]: dims d + 16 * half .. + 15 from the low and high accumulators (lane
+   4b + e of the low one is dim 8b + e, of the high one 8b + 4 + e); TO_UNPACK[high]: the low or
+   high accumulator from dims d .. d + 15 and d + 16 .. d + 31. */
+static const int32_t TO_DIMS[2][16] __attribute__((aligned(64))) = {
+    {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+    {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+static const int32_t TO_UNPACK[2][16] __attribute__((aligned(64))) = {
+    {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+    {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}};
+static inline __m512i to_dims_index(int half) { return _mm512_load_si512(TO_DIMS[half]); }
+static inline __m512i to_unpack_index(int high) { return _mm512_load_si512(TO_UNPACK[high]); }
 
 /* orow[p][d] (+)= sum_l w_l V[slots[l]][d] for NG (packed weights, output) pairs, dims d0 ..
    d0 + 63, keys [l_begin, l_end) (l_begin even): value rows from the cache, or (interleaved)
@@ -616,6 +617,37 @@ static float row_max(const float *row, int padded) {
     return max;
 }
 
+/* softmax weights l .. l + 15 (or + 7) of a row stored for the weighing: float32, or for a
+   bfloat16 cache rounded to bfloat16 and, where weigh_bf16 reads them, packed in key pairs */
+#ifdef __AVX512F__
+static inline __m512 store_weights16(float *row, int l, __m512 e, int is_bf16) {
+    if (!is_bf16) {
+        _mm512_storeu_ps(row + l, e);
+        return e;
+    }
+    e = round_bf16x16(e);
+#if HAS_BF16_PRODUCTS
+    store_weight_pairs16(row, l, e);
+#else
+    _mm512_storeu_ps(row + l, e);
+#endif
+    return e;
+}
+#endif
+static inline __m256 store_weights8(float *row, int l, __m256 e, int is_bf16) {
+    if (!is_bf16) {
+        _mm256_storeu_ps(row + l, e);
+        return e;
+    }
+    e = round_bf16x8(e);
+#if HAS_BF16_PRODUCTS
+    store_weight_pairs8(row, l, e);
+#else
+    _mm256_storeu_ps(row + l, e);
+#endif
+    return e;
+}
+
 /* The `group` rows of scores (row g at g * padded, num_keys of them, padded to a multiple of 8)
    -> softmax weights exp(score - max) in place (for a bfloat16 cache rounded to bfloat16, and
    packed in key pairs where weigh_bf16 reads them so), max[g] and sum[g] of the weights (lane
@@ -637,13 +669,8 @@ static void softmax_rows(float *scores, int padded, int num_keys, int group, int
     for (; l + 16 <= padded; l += 16)
         for (int g = 0; g < group; g++) {
             float *row = scores + g * padded;
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), _mm512_set1_ps(max_out[g])));
-            if (is_bf16) e = round_bf16x16(e);
-#if HAS_BF16_PRODUCTS
-            if (is_bf16) store_weight_pairs16(row, l, e);
-            else
-#endif
-                _mm512_storeu_ps(row + l, e);
+            const __m512 e = store_weights16(
+                row, l, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), _mm512_set1_ps(max_out[g]))), is_bf16);
             sum[g] = _mm256_add_ps(sum[g], _mm512_castps512_ps256(e));
             sum[g] = _mm256_add_ps(sum[g], _mm512_extractf32x8_ps(e, 1));
         }
@@ -651,13 +678,8 @@ static void softmax_rows(float *scores, int padded, int num_keys, int group, int
     for (; l < padded; l += 8)
         for (int g = 0; g < group; g++) {
             float *row = scores + g * padded;
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(max_out[g])));
-            if (is_bf16) e = round_bf16x8(e);
-#if HAS_BF16_PRODUCTS
-            if (is_bf16) store_weight_pairs8(row, l, e);
-            else
-#endif
-                _mm256_storeu_ps(row + l, e);
+            const __m256 e = store_weights8(
+                row, l, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(max_out[g]))), is_bf16);
             sum[g] = _mm256_add_ps(sum[g], e);
         }
     for (int g = 0; g < group; g++) sum_out[g] = hsum8(sum[g]);
