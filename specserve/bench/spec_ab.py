@@ -1,5 +1,7 @@
 """Interleaved A/B of plain vs speculative decoding in ONE process (both engines loaded),
 alternating which runs first per prompt group, so drifting machine load hits both alike.
+``--spec`` and ``--base`` take any engine arguments, so it also compares two settings of plain
+decoding (e.g. ``--base '{"page_size": 1}' --spec '{"page_size": 16}'``).
 
     python -m specserve.bench.spec_ab --spec '{"speculative_algorithm": "NGRAM"}' --copy-heavy
     python -m specserve.bench.spec_ab --spec '{"speculative_algorithm": "NGRAM"}' \\
@@ -22,9 +24,22 @@ from specserve.bench import serving
 from specserve.bench.prompts import COPY_HEAVY
 
 
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of server args")
+    return value
+
+
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="plain vs speculative, interleaved, one process")
-    p.add_argument("--spec", required=True, help="JSON dict of speculative server args")
+    p.add_argument("--spec", required=True, type=_json_dict, help="JSON dict of the second engine's server args (speculative "
+                   "ones, or any other)")
+    p.add_argument("--base", default={}, type=_json_dict, help="JSON dict of the first (baseline) engine's server args "
+                   "(default: none beyond the shared ones)")
     p.add_argument("--prompts", default=None, help="FastChat JSONL files, comma-separated (turns[0])")
     p.add_argument("--copy-heavy", action="store_true", help="use the built-in copy-heavy prompts")
     p.add_argument("--num-prompts-per-file", type=int, default=4)
@@ -55,7 +70,7 @@ def main() -> None:
               max_running_requests=max(16, args.batch_size), quantization=args.quantization)
     if args.kv_cache_dtype:
         kw["kv_cache_dtype"] = args.kv_cache_dtype
-    plain, spec = Engine(**kw), Engine(**kw, **json.loads(args.spec))
+    plain, spec = Engine(**kw, **args.base), Engine(**kw, **args.spec)
     tok = plain.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in _texts(args)]
     groups = [ids[i:i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
