@@ -1,0 +1,132 @@
+"""Batched decode attention alone, over a whole model's bfloat16 KV cache: ``--batch`` requests of
+one row each, every request ``--prompt`` prompt tokens then ``--decoded`` decoded ones, their
+slots laid out as the pool hands them out at each ``--page-sizes`` (a prompt's pages whole, then
+one slot per request and step, a new page when a request's page is full). The page sizes (and
+``--variants``, kernel builds) take turns in one process, each running attention layer after
+layer over a cache too large for the caches, as a decode step does.
+
+    python -m specserve.bench.decode_attention --batch 16 --prompt 100 --decoded 256 --threads 2
+
+Prints per page size: ms per step (median), the K/V bytes read a step and their rate.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from specserve.kernels import attention, build, huge_pages
+from specserve.bench import serving
+
+
+def decode_slots(batch: int, prompt: int, decoded: int, page_size: int) -> list[list[int]]:
+    """Each request's slots in token order: its prompt in whole pages taken one request after
+    another, then ``decoded`` steps of one token per request, each taking the next slot of its
+    page or, when that page is full, a new page (the next free one, as the pool hands out)."""
+    next_page = 0
+    slots: list[list[int]] = []
+    free: list[list[int]] = []
+    for _ in range(batch):
+        pages = -(-prompt // page_size)
+        run = list(range(next_page * page_size, (next_page + pages) * page_size))
+        next_page += pages
+        slots.append(run[:prompt])
+        free.append(run[prompt:])
+    for _ in range(decoded):
+        for b in range(batch):
+            if not free[b]:
+                free[b] = list(range(next_page * page_size, (next_page + 1) * page_size))
+                next_page += 1
+            slots[b].append(free[b].pop(0))
+    return slots
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="batched decode attention by KV page size, in turns, one process")
+    p.add_argument("--batch", type=int, default=16, help="requests, one row each (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=100, help="prompt tokens per request (default %(default)s)")
+    p.add_argument("--decoded", type=int, default=256, help="decoded tokens per request (default %(default)s)")
+    p.add_argument("--page-sizes", default="1,16", help="comma-separated (default %(default)s)")
+    p.add_argument("--variants", default=None, help="kernel builds to take turns too, comma-separated "
+                   f"({', '.join(build.VARIANT_NAMES)}; default: the one this CPU loads)")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    for name in ("batch", "prompt", "decoded", "layers", "heads", "kv_heads", "head_dim", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    unknown = [n for n in (args.variants or "").split(",") if n and n not in build.VARIANT_NAMES]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(build.VARIANT_NAMES)})")
+    if args.heads % args.kv_heads:
+        p.error("--heads must be a multiple of --kv-heads")
+    try:
+        args.page_sizes = serving.parse_int_list(args.page_sizes)
+    except ValueError as e:
+        p.error(f"--page-sizes: {e}")
+    return args
+
+
+def _calls(args, function, layouts: dict[int, torch.Tensor]) -> dict:
+    """Per (page size, variant): the arguments of each layer's call, over one cache for all."""
+    num_slots = max(int(kv.max()) for kv in layouts.values()) + 1
+    shape = (args.layers, args.kv_heads, num_slots, args.head_dim)          # head-major, as the pool's
+    k, v = huge_pages.empty(shape, torch.bfloat16), huge_pages.empty(shape, torch.bfloat16)
+    k.normal_(), v.normal_()
+    length = args.prompt + args.decoded
+    q = torch.randn(args.batch, args.heads, args.head_dim)
+    out = torch.empty(args.batch, args.heads * args.head_dim)
+    mask = torch.ones(args.batch, 1, length, dtype=torch.bool)
+    rows = torch.arange(args.batch, dtype=torch.int32)
+    queries = torch.zeros(args.batch, dtype=torch.int32)
+    keep = (k, v, q, out, mask, rows, queries)                          # alive while the calls run
+    calls = {}
+    for page, kv in layouts.items():
+        for name, fn in function.items():
+            calls[(page, name)] = [
+                (q.data_ptr(), k[layer].transpose(0, 1).data_ptr(), v[layer].transpose(0, 1).data_ptr(),
+                 *attention.kv_strides(k[layer].transpose(0, 1), v[layer].transpose(0, 1)), out.data_ptr(),
+                 kv.data_ptr(), mask.data_ptr(), rows.data_ptr(), queries.data_ptr(), args.batch, length, 1,
+                 args.heads, args.kv_heads, args.head_dim, 0, 1, args.threads)
+                for layer in range(args.layers)]
+    return calls, keep
+
+
+def main() -> None:
+    args = _args()
+    names = args.variants.split(",") if args.variants else [None]
+    function = {}
+    for name in names:
+        library = build.load() if name is None else build.load_variant(name)
+        if library is None:
+            raise SystemExit(f"error: --variants: kernel variant {name or '(default)'} cannot be loaded here")
+        function[name or build.variant_name()] = build.function_of(
+            library, "paged_attention", attention._ARGTYPES)
+    layouts = {page: torch.tensor(decode_slots(args.batch, args.prompt, args.decoded, page), dtype=torch.int64)
+               for page in args.page_sizes}
+    calls, _keep = _calls(args, function, layouts)
+    seconds = {key: [] for key in calls}
+    for rep in tqdm(range(args.repeats), desc="decode attention", leave=False):
+        for key in (list(calls) if rep % 2 == 0 else list(calls)[::-1]):
+            fn, start = function[key[1]], time.perf_counter()
+            for call in calls[key]:
+                fn(*call)
+            seconds[key].append(time.perf_counter() - start)
+    kv_bytes = args.batch * (args.prompt + args.decoded) * args.kv_heads * args.head_dim * 2 * 2 * args.layers
+    print(f"batched decode attention: {args.batch} requests x ({args.prompt} prompt + {args.decoded} decoded) "
+          f"tokens, {args.layers} layers, {args.threads} threads; K/V read a step {kv_bytes / 1e6:.1f} MB")
+    for (page, name), times in seconds.items():
+        ms = statistics.median(times) * 1e3
+        print(f"page size {page:>4}  {name:>12}  {ms:8.2f} ms a step  {kv_bytes / ms / 1e6:6.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
