@@ -51,8 +51,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=100, help="prompt tokens per request (default %(default)s)")
     p.add_argument("--decoded", type=int, default=256, help="decoded tokens per request (default %(default)s)")
     p.add_argument("--page-sizes", default="1,16", help="comma-separated (default %(default)s)")
-    p.add_argument("--variants", default=None, help="kernel builds to take turns too, comma-separated "
-                   f"({', '.join(build.VARIANT_NAMES)}; default: the one this CPU loads)")
+    p.add_argument("--variants", default=None, help="kernel builds to take turns too, comma-separated: "
+                   f"{', '.join(build.VARIANT_NAMES)} or the path of a built library (.so; default: the "
+                   "variant this CPU loads)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -63,7 +64,8 @@ def _args() -> argparse.Namespace:
     for name in ("batch", "prompt", "decoded", "layers", "heads", "kv_heads", "head_dim", "repeats", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    unknown = [n for n in (args.variants or "").split(",") if n and n not in build.VARIANT_NAMES]
+    unknown = [n for n in (args.variants or "").split(",")
+               if n and n not in build.VARIANT_NAMES and not n.endswith(".so")]
     if unknown:
         p.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(build.VARIANT_NAMES)})")
     if args.heads % args.kv_heads:
@@ -105,10 +107,14 @@ def main() -> None:
     names = args.variants.split(",") if args.variants else [None]
     function = {}
     for name in names:
-        library = build.load() if name is None else build.load_variant(name)
+        try:
+            library = (build.load() if name is None else ctypes.CDLL(name) if name.endswith(".so")
+                       else build.load_variant(name))
+        except OSError as e:
+            raise SystemExit(f"error: --variants: {e}") from None
         if library is None:
             raise SystemExit(f"error: --variants: kernel variant {name or '(default)'} cannot be loaded here")
-        function[name or build.variant_name()] = build.function_of(
+        function[(name or build.variant_name()).rsplit("/", 1)[-1][-24:]] = build.function_of(
             library, "paged_attention", attention._ARGTYPES)
     layouts = {page: torch.tensor(decode_slots(args.batch, args.prompt, args.decoded, page), dtype=torch.int64)
                for page in args.page_sizes}
