@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import sys
 import time
+from typing import NoReturn
 
 import torch
 from tqdm import tqdm
@@ -102,6 +104,11 @@ def _calls(args, function, layouts: dict[int, torch.Tensor]) -> dict:
     return calls, keep
 
 
+def _usage_error(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     args = _args()
     names = args.variants.split(",") if args.variants else [None]
@@ -111,9 +118,11 @@ def main() -> None:
             library = (build.load() if name is None else ctypes.CDLL(name) if name.endswith(".so")
                        else build.load_variant(name))
         except OSError as e:
-            raise SystemExit(f"error: --variants: {e}") from None
+            _usage_error(f"--variants: {e}")
         if library is None:
-            raise SystemExit(f"error: --variants: kernel variant {name or '(default)'} cannot be loaded here")
+            _usage_error(f"--variants: kernel variant {name} cannot be loaded here" if name else
+                         "the CPU kernels cannot be loaded here (SPECSERVE_KERNELS=0, no C compiler, or no AVX2: "
+                         "see specserve/kernels/build.py)")
         function[(name or build.variant_name()).rsplit("/", 1)[-1][-24:]] = build.function_of(
             library, "paged_attention", attention._ARGTYPES)
     layouts = {page: torch.tensor(decode_slots(args.batch, args.prompt, args.decoded, page), dtype=torch.int64)
