@@ -79,8 +79,9 @@ def _args() -> argparse.Namespace:
     return args
 
 
-def _calls(args, function, layouts: dict[int, torch.Tensor]) -> dict:
-    """Per (page size, variant): the arguments of each layer's call, over one cache for all."""
+def _calls(args, names: list[str], layouts: dict[int, torch.Tensor]) -> tuple[dict, tuple]:
+    """Per (page size, variant name): the arguments of each layer's call, all over one cache; and
+    the tensors they point into (to keep alive while the calls run)."""
     num_slots = max(int(kv.max()) for kv in layouts.values()) + 1
     shape = (args.layers, args.kv_heads, num_slots, args.head_dim)          # head-major, as the pool's
     k, v = huge_pages.empty(shape, torch.bfloat16), huge_pages.empty(shape, torch.bfloat16)
@@ -91,17 +92,14 @@ def _calls(args, function, layouts: dict[int, torch.Tensor]) -> dict:
     mask = torch.ones(args.batch, 1, length, dtype=torch.bool)
     rows = torch.arange(args.batch, dtype=torch.int32)
     queries = torch.zeros(args.batch, dtype=torch.int32)
-    keep = (k, v, q, out, mask, rows, queries)                          # alive while the calls run
-    calls = {}
-    for page, kv in layouts.items():
-        for name, fn in function.items():
-            calls[(page, name)] = [
-                (q.data_ptr(), k[layer].transpose(0, 1).data_ptr(), v[layer].transpose(0, 1).data_ptr(),
-                 *attention.kv_strides(k[layer].transpose(0, 1), v[layer].transpose(0, 1)), out.data_ptr(),
-                 kv.data_ptr(), mask.data_ptr(), rows.data_ptr(), queries.data_ptr(), args.batch, length, 1,
-                 args.heads, args.kv_heads, args.head_dim, 0, 1, args.threads)
-                for layer in range(args.layers)]
-    return calls, keep
+    layers = [(k[i].transpose(0, 1), v[i].transpose(0, 1)) for i in range(args.layers)]   # [slots, heads, dim]
+    calls = {(page, name): [(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(),
+                             *attention.kv_strides(k_layer, v_layer), out.data_ptr(), kv.data_ptr(),
+                             mask.data_ptr(), rows.data_ptr(), queries.data_ptr(), args.batch, length, 1,
+                             args.heads, args.kv_heads, args.head_dim, 0, 1, args.threads)
+                            for k_layer, v_layer in layers]
+             for page, kv in layouts.items() for name in names}
+    return calls, (k, v, q, out, mask, rows, queries, layouts)
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -127,7 +125,7 @@ def main() -> None:
             library, "paged_attention", attention._ARGTYPES)
     layouts = {page: torch.tensor(decode_slots(args.batch, args.prompt, args.decoded, page), dtype=torch.int64)
                for page in args.page_sizes}
-    calls, _keep = _calls(args, function, layouts)
+    calls, _alive = _calls(args, list(function), layouts)
     seconds = {key: [] for key in calls}
     for rep in tqdm(range(args.repeats), desc="decode attention", leave=False):
         for key in (list(calls) if rep % 2 == 0 else list(calls)[::-1]):

@@ -36,10 +36,11 @@ def _json_dict(text: str) -> dict:
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="plain vs speculative, interleaved, one process")
-    p.add_argument("--spec", required=True, type=_json_dict, help="JSON dict of the second engine's server args (speculative "
-                   "ones, or any other)")
-    p.add_argument("--base", default={}, type=_json_dict, help="JSON dict of the first (baseline) engine's server args "
-                   "(default: none beyond the shared ones)")
+    p.add_argument("--spec", required=True, type=_json_dict,
+                   help="JSON dict of the second engine's server args (speculative ones, or any other; they "
+                   "override the shared ones)")
+    p.add_argument("--base", default={}, type=_json_dict,
+                   help="JSON dict of the first (baseline) engine's server args (default: the shared ones)")
     p.add_argument("--prompts", default=None, help="FastChat JSONL files, comma-separated (turns[0])")
     p.add_argument("--copy-heavy", action="store_true", help="use the built-in copy-heavy prompts")
     p.add_argument("--num-prompts-per-file", type=int, default=4)
@@ -70,7 +71,7 @@ def main() -> None:
               max_running_requests=max(16, args.batch_size), quantization=args.quantization)
     if args.kv_cache_dtype:
         kw["kv_cache_dtype"] = args.kv_cache_dtype
-    plain, spec = Engine(**kw, **args.base), Engine(**kw, **args.spec)
+    plain, spec = Engine(**{**kw, **args.base}), Engine(**{**kw, **args.spec})
     tok = plain.tokenizer
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in _texts(args)]
     groups = [ids[i:i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
