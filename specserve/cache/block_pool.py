@@ -17,10 +17,25 @@ assume): token ``i`` of a request sits at offset ``i % page_size`` of its page,
 so a request's slots are consecutive within each page and a page holds one
 contiguous run of the request's tokens. This lets every slot-list method work
 in O(pages touched) rather than O(tokens).
+
+With pages of one slot, a request's slots are kept in runs where the pool allows
+(``extend_slots``): new slots continue from the request's last one while the
+slots after it are free, and otherwise (a request's first slots too) start a
+run RUN_GAP slots into a free stretch of RUN_GAP + n + RUN_GAP, so that the
+request before it has room to grow. No slot is reserved: where no stretch is
+free, slots come from the free list as before. Handed out one at a time from the
+free list, the decoded tokens of requests decoding together took slots in turn,
+a request's K/V rows a batch apart, and batched decode attention read them at a
+third of the streaming rate (`python -m specserve.bench.decode_attention`: 4
+requests of 100 + 900 tokens 29% faster in runs of 256, 16 of 100 + 400 43%).
+In runs, 4 requests x 1,000 tokens decoded 1.24x faster end to end, 1 request
+1.01x-1.02x (2-core AVX-512 Zen4, the two pools taking turns in one process).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+RUN_GAP = 256     # pages of one slot: free slots kept on each side of a request's first slots
 
 
 class BlockPool:
@@ -34,8 +49,13 @@ class BlockPool:
         self._num_pages = num_pages
         self._page_size = page_size
         self._refcounts = [0] * num_pages
-        # A stack popped from the end; reversed so fresh pools hand out 0, 1, 2, ...
+        # A stack popped from the end; reversed so fresh pools hand out 0, 1, 2, ... Pages taken
+        # out of its order (``_extend_run``) stay in it until popped: ``_is_free`` says which are.
         self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._num_free = num_pages
+        self._run_gap = RUN_GAP if page_size == 1 else 0
+        self._no_stretch = (0, 0)     # (length, free pages) of the last stretch searched in vain
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -52,11 +72,11 @@ class BlockPool:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        return self._num_free
 
     @property
     def num_free_tokens(self) -> int:
-        return len(self._free_pages) * self._page_size
+        return self._num_free * self._page_size
 
     def refcount(self, page: int) -> int:
         """Current reference count of ``page`` (0 when free)."""
@@ -70,16 +90,15 @@ class BlockPool:
         """Take ``num`` free pages at refcount 1; None (nothing taken) if too few."""
         if num < 0:
             raise ValueError(f"cannot allocate {num} pages")
-        if num > len(self._free_pages):
+        if num > self._num_free:
             return None
-        if num == 0:
-            return []
-        pages = self._free_pages[-num:]
-        del self._free_pages[-num:]
-        pages.reverse()
-        refcounts = self._refcounts
-        for page in pages:
-            refcounts[page] = 1
+        pages, stack, is_free, refcounts = [], self._free_pages, self._is_free, self._refcounts
+        while len(pages) < num:
+            page = stack.pop()
+            if is_free[page]:                 # else taken out of order since it was pushed
+                is_free[page], refcounts[page] = 0, 1
+                pages.append(page)
+        self._num_free -= num
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
@@ -109,8 +128,23 @@ class BlockPool:
             refcounts[page] = count - 1
             if count == 1:
                 freed.append(page)
+                self._is_free[page] = 1
         freed.reverse()
+        self._num_free += len(freed)
+        if len(self._free_pages) + len(freed) > 2 * self._num_pages:
+            self._drop_stale_entries()
         self._free_pages.extend(freed)
+
+    def _drop_stale_entries(self) -> None:
+        """The free list without entries of pages taken out of its order (each free page once,
+        where it was last pushed)."""
+        seen, kept = set(), []
+        for page in reversed(self._free_pages):
+            if self._is_free[page] and page not in seen:
+                seen.add(page)
+                kept.append(page)
+        kept.reverse()
+        self._free_pages = kept
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self._num_pages:
@@ -144,7 +178,7 @@ class BlockPool:
             return []
         page_size = self._page_size
         if page_size == 1:
-            return self.alloc_pages(num)
+            return self._extend_run(slots, num)
         tail = self._tail_slots(slots, num)
         num_rest = num - len(tail)
         pages = self.alloc_pages(-(-num_rest // page_size))
@@ -155,6 +189,39 @@ class BlockPool:
             tail.extend(range(first, first + min(page_size, num_rest)))
             num_rest -= page_size
         return tail
+
+    def _extend_run(self, slots: list[int], num: int) -> list[int] | None:
+        """Pages of one slot: ``num`` new slots, continuing ``slots``' last one while the slots
+        after it are free; the rest (all of them for a request without slots yet) in the middle
+        of a free stretch of RUN_GAP + n + RUN_GAP, a new run; what neither gives, from the free
+        list."""
+        if num > self._num_free:
+            return None
+        is_free, run = self._is_free, []
+        if slots:
+            first = slots[-1] + 1
+            end = min(first + num, self._num_pages)
+            stop = is_free.find(b"\x00", first, end)
+            run = list(range(first, end if stop < 0 else stop))
+        rest = num - len(run)
+        if rest and self._run_gap and self._may_find_stretch(rest + 2 * self._run_gap):
+            start = is_free.find(b"\x01" * (rest + 2 * self._run_gap))
+            if start >= 0:
+                run += range(start + self._run_gap, start + self._run_gap + rest)
+            else:
+                self._no_stretch = (rest + 2 * self._run_gap, self._num_free)
+        refcounts = self._refcounts
+        for page in run:
+            is_free[page], refcounts[page] = 0, 1
+        self._num_free -= len(run)
+        return run + self.alloc_pages(num - len(run)) if len(run) < num else run
+
+    def _may_find_stretch(self, length: int) -> bool:
+        """False where a search for a free stretch this long cannot succeed: one as long or
+        shorter failed, and fewer than 2 * RUN_GAP pages were freed since (a full or fragmented
+        pool then costs no scan of every page at each step)."""
+        failed_length, free_then = self._no_stretch
+        return length < failed_length or self._num_free >= free_then + 2 * self._run_gap
 
     def _tail_slots(self, slots: list[int], num: int) -> list[int]:
         """Up to ``num`` slots left in the request's last, partially filled page."""

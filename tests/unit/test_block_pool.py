@@ -1,7 +1,9 @@
 """BlockPool: page allocation, refcounts, and slot lists across page boundaries."""
+import random
+
 import pytest
 
-from specserve.cache.block_pool import BlockPool
+from specserve.cache.block_pool import RUN_GAP, BlockPool
 
 
 def test_sizes_of_a_fresh_pool():
@@ -180,3 +182,66 @@ def test_pages_freed_together_come_back_in_the_order_given():
     pages = pool.alloc_pages(5)
     pool.decref([pages[3], pages[1], pages[4]])
     assert pool.alloc_pages(3) == [pages[3], pages[1], pages[4]]
+
+
+def test_requests_decoding_together_keep_their_slots_in_runs():
+    """Pages of one slot: each request's first slots sit in the middle of a free stretch, and
+    its next slots follow its last one, so requests that decode in turns no longer take slots
+    in turn (their K/V rows a batch apart)."""
+    pool = BlockPool(num_pages=4096)
+    requests = [pool.extend_slots([], 10) for _ in range(3)]
+    for _ in range(100):
+        for slots in requests:
+            slots += pool.extend_slots(slots, 1)
+    for slots in requests:
+        assert slots == list(range(slots[0], slots[0] + 110))
+    held = [s for slots in requests for s in slots]
+    assert len(set(held)) == len(held) and pool.num_free_pages == 4096 - 330
+
+
+def test_a_run_that_meets_another_request_goes_on_in_a_new_run():
+    pool = BlockPool(num_pages=4096)
+    first = pool.extend_slots([], 4)
+    second = pool.extend_slots([], 4)
+    assert second[0] - first[-1] - 1 == RUN_GAP            # the gap between them is the first's room
+    first += pool.extend_slots(first, RUN_GAP + 2)          # fills its room, then 2 in a new run
+    assert first[4:4 + RUN_GAP] == list(range(first[3] + 1, first[3] + 1 + RUN_GAP))
+    assert first[-1] == first[-2] + 1 and first[-2] > second[-1]
+    first += pool.extend_slots(first, 5)                    # which goes on where it started
+    assert first[-7:] == list(range(first[-7], first[-7] + 7))
+    assert not set(first) & set(second) and len(set(first)) == len(first)
+
+
+def test_a_pool_too_small_for_runs_hands_out_slots_in_order():
+    pool = BlockPool(num_pages=100)
+    assert pool.extend_slots([], 3) == [0, 1, 2]
+
+
+def test_slots_taken_out_of_order_are_never_handed_out_twice():
+    """Random requests growing, shrinking and ending in a pool of one-slot pages: every slot held
+    once, the free count exact, and a full pool refusing without taking anything."""
+    rng = random.Random(0)
+    pool = BlockPool(num_pages=1500)
+    live: list[list[int]] = []
+    for _ in range(3000):
+        action = rng.random()
+        if action < 0.25 or not live:
+            slots = pool.extend_slots([], rng.randint(1, 300))
+            if slots is not None:
+                live.append(slots)
+        elif action < 0.75:
+            slots = rng.choice(live)
+            more = pool.extend_slots(slots, rng.randint(1, 12))
+            if more is not None:
+                slots += more
+        elif action < 0.9:
+            slots = rng.choice(live)
+            pool.truncate_slots(slots, rng.randint(0, len(slots)))
+        else:
+            pool.release_slots(live.pop(rng.randrange(len(live))))
+        held = [s for slots in live for s in slots]
+        assert len(set(held)) == len(held)
+        assert pool.num_free_pages == 1500 - len(held)
+    free_before = pool.num_free_pages
+    assert pool.extend_slots([], free_before + 1) is None and pool.num_free_pages == free_before
+    assert len(pool.extend_slots([], free_before)) == free_before and pool.num_free_pages == 0
