@@ -1,9 +1,11 @@
 """Batched decode attention alone, over a whole model's bfloat16 KV cache: ``--batch`` requests of
 one row each, every request ``--prompt`` prompt tokens then ``--decoded`` decoded ones, their
-slots laid out as the pool hands them out at each ``--page-sizes`` (a prompt's pages whole, then
-one slot per request and step, a new page when a request's page is full). The page sizes (and
-``--variants``, kernel builds) take turns in one process, each running attention layer after
-layer over a cache too large for the caches, as a decode step does.
+slots laid out as a plain free list hands them out at each ``--page-sizes`` (a prompt's pages
+whole, then one slot per request and step, a new page when a request's page is full): at page
+size 1 what the pool did before it kept a request's slots in runs (``cache/block_pool.py``),
+rows a batch apart; at 256, runs of 256. The page sizes (and ``--variants``, kernel builds) take
+turns in one process, each running attention layer after layer over a cache too large for the
+caches, as a decode step does.
 
     python -m specserve.bench.decode_attention --batch 16 --prompt 100 --decoded 256 --threads 2
 
@@ -28,7 +30,7 @@ from specserve.bench import serving
 def decode_slots(batch: int, prompt: int, decoded: int, page_size: int) -> list[list[int]]:
     """Each request's slots in token order: its prompt in whole pages taken one request after
     another, then ``decoded`` steps of one token per request, each taking the next slot of its
-    page or, when that page is full, a new page (the next free one, as the pool hands out)."""
+    page or, when that page is full, a new page (the next free one, as a free list hands out)."""
     next_page = 0
     slots: list[list[int]] = []
     free: list[list[int]] = []
