@@ -245,3 +245,18 @@ def test_slots_taken_out_of_order_are_never_handed_out_twice():
     free_before = pool.num_free_pages
     assert pool.extend_slots([], free_before + 1) is None and pool.num_free_pages == free_before
     assert len(pool.extend_slots([], free_before)) == free_before and pool.num_free_pages == 0
+
+
+def test_free_list_entries_left_by_runs_are_dropped_and_never_double_count():
+    """A request that takes the slot after its last one and gives it back, again and again, leaves
+    an entry on the free list each time (the slot was taken out of its order): the list is
+    compacted past twice the pool's size, and the whole pool still comes out once each."""
+    pool = BlockPool(num_pages=300)
+    slots = pool.extend_slots([], 10)
+    for _ in range(1000):
+        slots += pool.extend_slots(slots, 1)
+        pool.truncate_slots(slots, 10)
+        assert len(pool._free_pages) <= 2 * pool.num_pages
+    pool.release_slots(slots)
+    everything = pool.alloc_pages(300)
+    assert sorted(everything) == list(range(300)) and pool.num_free_pages == 0
