@@ -1,15 +1,15 @@
 """Batched decode attention alone, over a whole model's bfloat16 KV cache: ``--batch`` requests of
 one row each, every request ``--prompt`` prompt tokens then ``--decoded`` decoded ones, their
-slots laid out as a plain free list hands them out at each ``--page-sizes`` (a prompt's pages
-whole, then one slot per request and step, a new page when a request's page is full): at page
-size 1 what the pool did before it kept a request's slots in runs (``cache/block_pool.py``),
-rows a batch apart; at 256, runs of 256. The page sizes (and ``--variants``, kernel builds) take
-turns in one process, each running attention layer after layer over a cache too large for the
-caches, as a decode step does.
+slots laid out as the KV pool (``cache/block_pool.py``) hands them out at each ``--page-sizes``
+(the prompts one request after another, then one slot per request and step): with pages of one
+slot, a request's slots in runs; ``--free-list`` adds the free list's order alone, the pool's
+before it kept runs (a request's rows a batch apart). The layouts (and ``--variants``, kernel
+builds) take turns in one process, each running attention layer after layer over a cache too
+large for the caches, as a decode step does.
 
     python -m specserve.bench.decode_attention --batch 16 --prompt 100 --decoded 256 --threads 2
 
-Prints per page size: ms per step (median), the K/V bytes read a step and their rate.
+Prints per layout: ms per step (median), the K/V bytes read a step and their rate.
 """
 from __future__ import annotations
 
@@ -23,29 +23,21 @@ from typing import NoReturn
 import torch
 from tqdm import tqdm
 
-from specserve.kernels import attention, build, huge_pages
 from specserve.bench import serving
+from specserve.cache.block_pool import RUN_GAP, BlockPool
+from specserve.kernels import attention, build, huge_pages
 
 
-def decode_slots(batch: int, prompt: int, decoded: int, page_size: int) -> list[list[int]]:
-    """Each request's slots in token order: its prompt in whole pages taken one request after
-    another, then ``decoded`` steps of one token per request, each taking the next slot of its
-    page or, when that page is full, a new page (the next free one, as a free list hands out)."""
-    next_page = 0
-    slots: list[list[int]] = []
-    free: list[list[int]] = []
-    for _ in range(batch):
-        pages = -(-prompt // page_size)
-        run = list(range(next_page * page_size, (next_page + pages) * page_size))
-        next_page += pages
-        slots.append(run[:prompt])
-        free.append(run[prompt:])
+def decode_slots(batch: int, prompt: int, decoded: int, page_size: int, runs: bool = True) -> list[list[int]]:
+    """Each request's slots in token order as the KV pool (``BlockPool``) hands them out: the
+    prompts one request after another, then ``decoded`` steps of one token per request. ``runs``
+    False: with pages of one slot, the free list's order alone (the pool's before it kept runs)."""
+    tokens = batch * (prompt + decoded + 2 * RUN_GAP + 2 * page_size)
+    pool = BlockPool(-(-tokens // page_size), page_size, RUN_GAP if runs else 0)
+    slots = [pool.extend_slots([], prompt) for _ in range(batch)]
     for _ in range(decoded):
-        for b in range(batch):
-            if not free[b]:
-                free[b] = list(range(next_page * page_size, (next_page + 1) * page_size))
-                next_page += 1
-            slots[b].append(free[b].pop(0))
+        for request in slots:
+            request += pool.extend_slots(request, 1)
     return slots
 
 
@@ -55,6 +47,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=100, help="prompt tokens per request (default %(default)s)")
     p.add_argument("--decoded", type=int, default=256, help="decoded tokens per request (default %(default)s)")
     p.add_argument("--page-sizes", default="1,16", help="comma-separated (default %(default)s)")
+    p.add_argument("--free-list", action="store_true",
+                   help="also page size 1 in the free list's order alone (the pool's before it kept runs)")
     p.add_argument("--variants", default=None, help="kernel builds to take turns too, comma-separated: "
                    f"{', '.join(build.VARIANT_NAMES)} or the path of a built library (.so; default: the "
                    "variant this CPU loads)")
@@ -81,8 +75,8 @@ def _args() -> argparse.Namespace:
     return args
 
 
-def _calls(args, names: list[str], layouts: dict[int, torch.Tensor]) -> tuple[dict, tuple]:
-    """Per (page size, variant name): the arguments of each layer's call, all over one cache; and
+def _calls(args, names: list[str], layouts: dict[str, torch.Tensor]) -> tuple[dict, tuple]:
+    """Per (layout, variant name): the arguments of each layer's call, all over one cache; and
     the tensors they point into (to keep alive while the calls run)."""
     num_slots = max(int(kv.max()) for kv in layouts.values()) + 1
     shape = (args.layers, args.kv_heads, num_slots, args.head_dim)          # head-major, as the pool's
@@ -95,12 +89,12 @@ def _calls(args, names: list[str], layouts: dict[int, torch.Tensor]) -> tuple[di
     rows = torch.arange(args.batch, dtype=torch.int32)
     queries = torch.zeros(args.batch, dtype=torch.int32)
     layers = [(k[i].transpose(0, 1), v[i].transpose(0, 1)) for i in range(args.layers)]   # [slots, heads, dim]
-    calls = {(page, name): [(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(),
+    calls = {(layout, name): [(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(),
                              *attention.kv_strides(k_layer, v_layer), out.data_ptr(), kv.data_ptr(),
                              mask.data_ptr(), rows.data_ptr(), queries.data_ptr(), args.batch, length, 1,
                              args.heads, args.kv_heads, args.head_dim, 0, 1, args.threads)
                             for k_layer, v_layer in layers]
-             for page, kv in layouts.items() for name in names}
+             for layout, kv in layouts.items() for name in names}
     return calls, (k, v, q, out, mask, rows, queries, layouts)
 
 
@@ -125,8 +119,11 @@ def main() -> None:
                          "see specserve/kernels/build.py)")
         function[(name or build.variant_name()).rsplit("/", 1)[-1][-24:]] = build.function_of(
             library, "paged_attention", attention._ARGTYPES)
-    layouts = {page: torch.tensor(decode_slots(args.batch, args.prompt, args.decoded, page), dtype=torch.int64)
-               for page in args.page_sizes}
+    cases = [(str(page), page, True) for page in args.page_sizes]
+    if args.free_list:
+        cases.append(("1, free list", 1, False))
+    layouts = {label: torch.tensor(decode_slots(args.batch, args.prompt, args.decoded, page, runs), dtype=torch.int64)
+               for label, page, runs in cases}
     calls, _alive = _calls(args, list(function), layouts)
     seconds = {key: [] for key in calls}
     for rep in tqdm(range(args.repeats), desc="decode attention", leave=False):
@@ -138,9 +135,9 @@ def main() -> None:
     kv_bytes = args.batch * (args.prompt + args.decoded) * args.kv_heads * args.head_dim * 2 * 2 * args.layers
     print(f"batched decode attention: {args.batch} requests x ({args.prompt} prompt + {args.decoded} decoded) "
           f"tokens, {args.layers} layers, {args.threads} threads; K/V read a step {kv_bytes / 1e6:.1f} MB")
-    for (page, name), times in seconds.items():
+    for (layout, name), times in seconds.items():
         ms = statistics.median(times) * 1e3
-        print(f"page size {page:>4}  {name:>12}  {ms:8.2f} ms a step  {kv_bytes / ms / 1e6:6.1f} GB/s")
+        print(f"page size {layout:>13}  {name:>12}  {ms:8.2f} ms a step  {kv_bytes / ms / 1e6:6.1f} GB/s")
 
 
 if __name__ == "__main__":

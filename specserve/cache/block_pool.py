@@ -41,7 +41,8 @@ RUN_GAP = 256     # pages of one slot: free slots kept on each side of a request
 class BlockPool:
     """Free list plus per-page reference counts for a paged KV pool."""
 
-    def __init__(self, num_pages: int, page_size: int = 1) -> None:
+    def __init__(self, num_pages: int, page_size: int = 1, run_gap: int = RUN_GAP) -> None:
+        """``run_gap``: RUN_GAP, or 0 for the free list's order alone (pages of one slot)."""
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
         if page_size < 1:
@@ -54,7 +55,7 @@ class BlockPool:
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_pages
         self._num_free = num_pages
-        self._run_gap = RUN_GAP if page_size == 1 else 0
+        self._run_gap = run_gap if page_size == 1 else 0
         self._no_stretch = (0, 0)     # (length, free pages) of the last stretch searched in vain
 
     # ------------------------------------------------------------------ sizes
