@@ -109,6 +109,7 @@ class ServerArgs:
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 10_000_000
+    speculative_ngram_corpus: str | None = None          # not in SGLang (see flags.py)
 
     def __post_init__(self) -> None:
         self._validate_basic()
@@ -149,6 +150,8 @@ class ServerArgs:
                 raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPEC_ALGORITHMS)}; "
                                   f"got {self.speculative_algorithm!r}")
             self.speculative_algorithm = algo
+        if self.speculative_ngram_corpus is not None and self.speculative_algorithm != "NGRAM":
+            raise ConfigError("--speculative-ngram-corpus applies to --speculative-algorithm NGRAM only")
 
     def resolved_device(self) -> str:
         import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
     args = _with_shipped_draft(args, model_path, device, dtype)
+    args = _with_ngram_corpus(args, model_path)
     spec = resolve_spec_params(args, cfg)
     _check_token_map(args, spec, cfg)
     spec_width = spec.num_draft_tokens if spec else 1   # KV slots per decode step per request
@@ -239,6 +241,26 @@ def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: t
     steps, topk, num_draft_tokens = shape
     return dataclasses.replace(args, speculative_num_steps=steps, speculative_eagle_topk=topk,
                                speculative_num_draft_tokens=num_draft_tokens)
+
+
+def _with_ngram_corpus(args: ServerArgs, model_path: str) -> ServerArgs:
+    """NGRAM's corpus: the given folder (checked here, so a wrong path is a flag error), none for
+    `none`, and unset with the default model the shipped corpus of its own answers."""
+    corpus = args.speculative_ngram_corpus
+    if args.speculative_algorithm != "NGRAM" or (corpus or "").lower() == "none":
+        return args
+    if corpus is not None:
+        if not (Path(corpus) / "config.json").is_file():
+            raise ConfigError(f"--speculative-ngram-corpus {corpus}: no corpus folder there (config.json and "
+                              "corpus.safetensors; `python -m specserve.train.ngram_corpus` makes one)")
+        return args
+    from specserve.drafts import SHIPPED_NGRAM_CORPUS
+
+    if not is_default_model(model_path) or not (SHIPPED_NGRAM_CORPUS / "config.json").is_file():
+        return args
+    logger.info("--speculative-algorithm NGRAM: drafting also from the shipped corpus %s where the cache has "
+                "no match (--speculative-ngram-corpus none: without it)", SHIPPED_NGRAM_CORPUS)
+    return dataclasses.replace(args, speculative_ngram_corpus=str(SHIPPED_NGRAM_CORPUS))
 
 
 def _with_shipped_token_map(args: ServerArgs) -> ServerArgs:

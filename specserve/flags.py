@@ -198,6 +198,10 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                                              "(SGLang's newer name: --speculative-ngram-max-trie-depth).",
                                              aliases=("--speculative-ngram-max-trie-depth",)),
     "speculative_ngram_capacity": _spec("NGRAM: cache capacity in entries."),
+    "speculative_ngram_corpus": _spec("NGRAM (not in SGLang): a folder of the target's own answers to draft "
+                                      "from where the cache has no match (`python -m "
+                                      "specserve.train.ngram_corpus` makes one); `none` for none. Default: "
+                                      "the shipped corpus with the default model, none otherwise."),
     # ---- logging -----------------------------------------------------------------------------
     "log_level": FlagDoc("logging", "How much the server logs: info shows startup and decode lines, warning "
                          "only problems.", choices=("debug", "info", "warning", "error", "critical")),

@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when --model-path is the default model)")
     parser.add_argument("--token-map", default=None,
                         help="FR-Spec token map for EAGLE+FR (default: the shipped one)")
+    parser.add_argument("--ngram-corpus", default=None,
+                        help="NGRAM's --speculative-ngram-corpus: a folder, none, or default (the engine's "
+                             "default); comma-separated, one NGRAM run each in the same turns")
     parser.add_argument("--grid", default=DEFAULT_GRID,
                         help="configurations 'steps,topk,draft_tokens;...', an entry 'ALGO:s,k,d' only for "
                              "that algorithm (NGRAM: only draft_tokens matter); default %(default)s")
@@ -138,8 +141,17 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             spec = serving.spec_kwargs(algorithm, args.draft_model_path, config.num_steps, config.topk,
                                        config.num_draft_tokens)
             label = f"{label_prefix} {config.label}" if len(names) > 1 else config.label
-            runs.append((label, dict(spec, **extra)))
+            for corpus_label, corpus in _corpus_choices(args, algorithm):
+                runs.append((label + corpus_label, dict(spec, **extra, **corpus)))
     return runs
+
+
+def _corpus_choices(args: argparse.Namespace, algorithm: str) -> list[tuple[str, dict[str, str]]]:
+    """[(label suffix, engine kwargs)] for each --ngram-corpus value (NGRAM only)."""
+    if algorithm != "NGRAM" or not args.ngram_corpus:
+        return [("", {})]
+    values = [v.strip() for v in args.ngram_corpus.split(",") if v.strip()]
+    return [(f" corpus={v}", {} if v == "default" else {"speculative_ngram_corpus": v}) for v in values]
 
 
 def _grid_for(grid: str, name: str, is_multi: bool) -> str:

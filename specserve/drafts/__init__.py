@@ -1,7 +1,8 @@
 """Drafts trained for the default model (SmolLM2-135M-Instruct) that ship with specserve.
 
 With the default target and no ``--speculative-draft-model-path``, EAGLE3, EAGLE and
-STANDALONE use these (``specserve train-draft`` made them; README: "Draft training").
+STANDALONE use these (``specserve train-draft`` made them; README: "Draft training"), and
+NGRAM drafts also from a corpus of the model's own answers (``specserve.train.ngram_corpus``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ DRAFTS_DIR = Path(__file__).resolve().parent
 SHIPPED = {"EAGLE3": "smollm2-135m-eagle3", "EAGLE": "smollm2-135m-eagle",
            "STANDALONE": "smollm2-135m-standalone"}
 FRSPEC_TOKEN_MAP = DRAFTS_DIR / "smollm2-135m-frspec-8k.pt"
+SHIPPED_NGRAM_CORPUS = DRAFTS_DIR / "smollm2-135m-ngram-corpus"     # NGRAM: the model's own answers
 
 
 def shipped_draft(algorithm: str | None) -> Path | None:

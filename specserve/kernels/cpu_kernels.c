@@ -3,3 +3,4 @@
 #include "paged_attention.c"
 #include "decoder_layer.c"
 #include "ngram_trie.c"
+#include "ngram_corpus.c"

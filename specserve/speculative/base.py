@@ -348,6 +348,7 @@ class SpecWorker:
         p, args = self.params, self.proposer.ctx.server_args
         return {"speculative_draft_model_path": args.speculative_draft_model_path,
                 "speculative_token_map": args.speculative_token_map,
+                "speculative_ngram_corpus": args.speculative_ngram_corpus,
                 "spec_accept_histogram": list(self.accept_histogram),
                 "spec_draft_tokens": self.num_draft_tokens_verified,
                 "speculative_num_steps": p.num_steps, "speculative_eagle_topk": p.topk,

@@ -9,19 +9,24 @@ shared by every request (prompts and generated tokens feed it).
   tail (``--speculative-ngram-max-match-window-size`` tokens) is matched;
   BFS or PROB trees (``--speculative-ngram-match-type``) of <= N nodes;
 * after verification: the emitted tokens are fed right away, so other requests
-  see them in the same step order.
+  see them in the same step order;
+* where the cache has no match, the corpus of the target's own answers
+  (``--speculative-ngram-corpus``, ``ngram_corpus.py``) drafts instead.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from specserve.core import Request
 from specserve.speculative.base import Proposer, ProposerContext
-from specserve.speculative.ngram_native import make_ngram_cache
+from specserve.speculative.ngram_corpus import read_corpus_documents
+from specserve.speculative.ngram_native import make_ngram_cache, make_ngram_corpus
 from specserve.speculative.state import spec_state, tail_ids
 from specserve.speculative.tree import DraftTree
 
 COST_EMA_WEIGHT = 0.1
+logger = logging.getLogger(__name__)
 
 
 class NgramProposer(Proposer):
@@ -31,6 +36,7 @@ class NgramProposer(Proposer):
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         self.cache = make_ngram_cache(ctx.server_args)       # native where the CPU kernels load
+        self.corpus = _load_corpus(ctx)
         self.seconds_per_request = 0.0
 
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
@@ -41,6 +47,8 @@ class NgramProposer(Proposer):
             num_new, context = self._unfed(req, state)
             most_fed = max(most_fed, num_new)
             tree, state.suffix_keys = self.cache.feed_and_match(context, num_new, cap, state.suffix_keys)
+            if self.corpus is not None and len(tree.draft_tokens) == 1:
+                tree = self.corpus.match(context, cap)
             state.num_fed = max(state.num_fed, req.seq_len)
             trees.append(tree)
         # timed where each request fed at most the one token of its last step: a prompt (a
@@ -75,6 +83,22 @@ class NgramProposer(Proposer):
         a feed of them reads (those tokens and the max_depth - 1 or more before them)."""
         num_new = max(req.seq_len - state.num_fed, 0)
         return num_new, tail_ids(req, num_new + self.cache.max_depth)
+
+
+def _load_corpus(ctx: ProposerContext):
+    """The corpus of ``--speculative-ngram-corpus`` (None for none), its ids checked against the
+    target's vocabulary."""
+    path = ctx.server_args.speculative_ngram_corpus
+    if path is None or path.lower() == "none":
+        return None
+    documents, _ = read_corpus_documents(path)
+    vocab_size = ctx.target_config.vocab_size
+    if any(t >= vocab_size for doc in documents for t in doc):
+        raise ValueError(f"--speculative-ngram-corpus {path}: token ids beyond the target's vocabulary "
+                         f"({vocab_size}); the corpus was made for another model")
+    corpus = make_ngram_corpus(documents, ctx.server_args)
+    logger.info("NGRAM corpus %s: %d answers, %d tokens", path, corpus.num_documents, corpus.num_tokens)
+    return corpus
 
 
 class _NgramState:

@@ -1,6 +1,7 @@
-"""The n-gram cache in native code (``kernels/ngram_trie.c``): ``NgramCache``'s structure and
-results, ~100x cheaper to feed. ``make_ngram_cache`` picks it where the CPU kernels load
-(``SPECSERVE_KERNELS=0`` or no compiler: the Python ``NgramCache``, the reference)."""
+"""The n-gram cache and corpus in native code (``kernels/ngram_trie.c``, ``ngram_corpus.c``):
+``NgramCache``'s and ``NgramCorpus``'s structures and results, ~100x cheaper. ``make_ngram_cache``
+and ``make_ngram_corpus`` pick them where the CPU kernels load (``SPECSERVE_KERNELS=0`` or no
+compiler: the Python classes, the references)."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +13,7 @@ import torch
 
 from specserve.kernels import build
 from specserve.speculative.ngram_cache import NgramCache, _check_num_new
+from specserve.speculative.ngram_corpus import NgramCorpus
 from specserve.speculative.tree import DraftTree, root_only
 
 if TYPE_CHECKING:
@@ -23,6 +25,11 @@ _P, _I32P = ctypes.c_void_p, np.ctypeslib.ndpointer(dtype=np.int32, flags="C_CON
 def make_ngram_cache(args: "ServerArgs") -> NgramCache:
     """The native cache where the kernels load, else the Python one (same results)."""
     return (NativeNgramCache if native_available() else NgramCache).from_server_args(args)
+
+
+def make_ngram_corpus(documents, args: "ServerArgs") -> NgramCorpus:
+    """The native corpus where the kernels load, else the Python one (same trees)."""
+    return (NativeNgramCorpus if native_available() else NgramCorpus).from_server_args(documents, args)
 
 
 def native_available() -> bool:
@@ -105,6 +112,39 @@ class NativeNgramCache(NgramCache):
         self._tokens_address, self._parents_address = self._out_tokens.ctypes.data, self._out_parents.ctypes.data
 
 
+class NativeNgramCorpus(NgramCorpus):
+    """``NgramCorpus`` with its suffix order and matching in C (the order built there too)."""
+
+    def __init__(self, documents, min_window: int, max_window: int, branch_length: int) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the native n-gram corpus needs the CPU kernels (see kernels/build.py)")
+        if not 1 <= min_window <= max_window or branch_length < 1:
+            raise ValueError("need 1 <= min_window <= max_window and branch_length >= 1")
+        from specserve.speculative.ngram_corpus import SORT_DEPTH, _joined
+
+        self.min_window, self.max_window = min_window, min(max_window, SORT_DEPTH)
+        self.branch_length, self.num_documents = branch_length, len(documents)
+        self.tokens = _joined(documents)
+        self._lib = lib
+        self._handle = lib.corpus_new(self.tokens, len(self.tokens), min_window, max_window, branch_length)
+        if not self._handle:
+            raise MemoryError("corpus_new failed")
+        self._out_tokens = self._out_parents = np.empty(0, np.int32)
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.corpus_free(handle)
+
+    def match(self, context_tail: Sequence[int], max_nodes: int) -> DraftTree:
+        tail = _ids(context_tail[-self.max_window:])
+        if max_nodes > len(self._out_tokens):
+            self._out_tokens, self._out_parents = np.empty(max_nodes, np.int32), np.empty(max_nodes, np.int32)
+        n = self._lib.corpus_match(self._handle, tail, len(tail), max_nodes, self._out_tokens, self._out_parents)
+        return _tree(self._out_tokens, self._out_parents, n)
+
+
 def _tree(tokens: np.ndarray, parents: np.ndarray, n: int) -> DraftTree:
     """The tree of a native match's first n nodes (n < 1: it ran out of memory)."""
     if n < 1:
@@ -132,6 +172,9 @@ def _library() -> ctypes.CDLL | None:
         "ngram_insert": (ctypes.c_int, [_P, _I32P, ctypes.c_int, ctypes.c_int]),
         "ngram_match": (ctypes.c_int, [_P, _I32P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I32P, _I32P]),
         "ngram_feed_match": (ctypes.c_int, [_P, _P] + [ctypes.c_int] * 4 + [_P, _P]),      # buffers by address
+        "corpus_new": (_P, [_I32P, ctypes.c_long] + [ctypes.c_int] * 3),
+        "corpus_free": (None, [_P]),
+        "corpus_match": (ctypes.c_int, [_P, _I32P, ctypes.c_int, ctypes.c_int, _I32P, _I32P]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -135,6 +135,31 @@ def test_server_info_names_the_shipped_draft_and_map_in_use(engines):
     assert info["speculative_draft_model_path"] == str(shipped_draft("EAGLE"))
     assert info["speculative_token_map"] == str(FRSPEC_TOKEN_MAP)
     assert engines["NGRAM"].engine.get_server_info()["speculative_token_map"] is None
+    from specserve.drafts import SHIPPED_NGRAM_CORPUS
+
+    assert engines["NGRAM"].engine.get_server_info()["speculative_ngram_corpus"] == str(SHIPPED_NGRAM_CORPUS)
+
+
+def test_ngram_drafts_an_answer_its_corpus_holds(engines, default_gguf_path, tmp_path):
+    """A corpus holding the answer to a chat prompt drafts it from the first decode step (the
+    cache alone has nothing to match there), and the output is still plain decoding's."""
+    from specserve.speculative.ngram_corpus import write_corpus
+
+    tok = engines["plain"].tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}]))
+    params = {"temperature": 0, "max_new_tokens": 40}
+    reference = _plain(engines, ids, params)["output_ids"]
+    corpus = write_corpus([reference], tmp_path / "corpus", {"target": "test"})
+    for path, least in ((corpus, 3.0), ("none", None)):
+        engine = _always(lambda path=path: Engine(model_path=default_gguf_path, **ENGINE_KW,
+                                                  speculative_algorithm="NGRAM", speculative_ngram_corpus=str(path)))
+        out = _generate(engine, ids, params)
+        assert out["output_ids"] == reference
+        if least is not None:
+            assert out["meta_info"]["spec_accept_length"] > least, out["meta_info"]
+        else:
+            assert out["meta_info"].get("spec_accept_length", 1.0) < 3.0, out["meta_info"]
+        _assert_no_kv_leak(engine)
 
 
 def test_ngram_copy_heavy_accepts_a_lot(engines):

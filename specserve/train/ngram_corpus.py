@@ -1,0 +1,63 @@
+"""An NGRAM corpus from the target's own answers (``--speculative-ngram-corpus``).
+
+    specserve train-draft --stage regenerate --work-dir W --num-prompts 4000   # the answers
+    python -m specserve.train.ngram_corpus --answers W/answers.jsonl --out DIR
+
+Keeps each answer's output tokens (the prompts add nothing measurable: answers are where a
+chat model repeats itself), in the regenerated-answer format's order, up to ``--max-tokens``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specserve.loading.default_model import DEFAULT_MODEL_NAME
+from specserve.speculative.ngram_corpus import write_corpus
+
+
+def read_answers(paths: list[Path], max_tokens: int | None) -> list[list[int]]:
+    documents, total = [], 0
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in tqdm(f, desc=f"read {path.name}", unit="answer"):
+                if not line.strip():
+                    continue
+                ids = json.loads(line)["output_ids"]
+                if max_tokens is not None and total + len(ids) > max_tokens:
+                    return documents
+                documents.append(ids)
+                total += len(ids)
+    return documents
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specserve.train.ngram_corpus", description=__doc__.split("\n")[0])
+    p.add_argument("--answers", required=True, help="regenerated answers (JSONL), comma-separated")
+    p.add_argument("--out", required=True, help="corpus folder to write")
+    p.add_argument("--max-tokens", type=int, default=None, help="keep answers up to this many tokens")
+    p.add_argument("--target", default=DEFAULT_MODEL_NAME, help="the model that wrote the answers (config.json)")
+    p.add_argument("--about", default="the target's greedy answers to training prompts",
+                   help="how the answers were made (config.json)")
+    args = p.parse_args(argv)
+    paths = [Path(x) for x in args.answers.split(",") if x]
+    missing = [str(x) for x in paths if not x.is_file()]
+    if missing:
+        p.error(f"--answers: no such file: {', '.join(missing)}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error("--max-tokens must be >= 1")
+    documents = read_answers(paths, args.max_tokens)
+    if not documents:
+        p.error("--answers: no answers read")
+    command = f"--answers {args.answers}" + (f" --max-tokens {args.max_tokens}" if args.max_tokens else "")
+    folder = write_corpus(documents, args.out, {"target": args.target, "about": args.about,
+                                                "made_by": f"python -m specserve.train.ngram_corpus {command}"})
+    print(f"ngram corpus: {len(documents)} answers, {sum(map(len, documents))} tokens in {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
