@@ -51,6 +51,9 @@ class NgramCorpus:
         self.branch_length = branch_length
         self.tokens = _joined(documents)
         self.num_documents = len(documents)
+        self._index()
+
+    def _index(self) -> None:
         self.order = self._suffix_order()
 
     @classmethod

@@ -115,19 +115,12 @@ class NativeNgramCache(NgramCache):
 class NativeNgramCorpus(NgramCorpus):
     """``NgramCorpus`` with its suffix order and matching in C (the order built there too)."""
 
-    def __init__(self, documents, min_window: int, max_window: int, branch_length: int) -> None:
-        lib = _library()
-        if lib is None:
+    def _index(self) -> None:
+        self._lib = _library()
+        if self._lib is None:
             raise RuntimeError("the native n-gram corpus needs the CPU kernels (see kernels/build.py)")
-        if not 1 <= min_window <= max_window or branch_length < 1:
-            raise ValueError("need 1 <= min_window <= max_window and branch_length >= 1")
-        from specserve.speculative.ngram_corpus import SORT_DEPTH, _joined
-
-        self.min_window, self.max_window = min_window, min(max_window, SORT_DEPTH)
-        self.branch_length, self.num_documents = branch_length, len(documents)
-        self.tokens = _joined(documents)
-        self._lib = lib
-        self._handle = lib.corpus_new(self.tokens, len(self.tokens), min_window, max_window, branch_length)
+        self._handle = self._lib.corpus_new(self.tokens, len(self.tokens), self.min_window, self.max_window,
+                                            self.branch_length)
         if not self._handle:
             raise MemoryError("corpus_new failed")
         self._out_tokens = self._out_parents = np.empty(0, np.int32)
