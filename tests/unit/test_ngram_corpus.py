@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,3 +129,34 @@ def test_the_shipped_corpus_is_the_default_models_answers():
     docs, config = read_corpus_documents(SHIPPED_NGRAM_CORPUS)
     assert config["target"] == "SmolLM2-135M-Instruct" and len(docs) == config["documents"]
     assert max(max(d) for d in docs if d) < 49152 and sum(map(len, docs)) == config["tokens"]
+
+
+def _proposer(tmp_path, documents):
+    from specserve.speculative.ngram import NgramProposer
+
+    folder = write_corpus(documents, tmp_path / "corpus", {"target": "test"})
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_corpus=str(folder))
+    ctx = SimpleNamespace(server_args=args, params=None, target_config=SimpleNamespace(vocab_size=100))
+    return NgramProposer(ctx)
+
+
+def _running(num_running, prompt):
+    reqs = [SimpleNamespace(rid=f"r{i}", spec_state=None, input_ids=list(prompt), output_ids=[],
+                            seq_len=len(prompt)) for i in range(num_running)]
+    return SimpleNamespace(scheduler=SimpleNamespace(running=reqs)), [SimpleNamespace(req=r) for r in reqs]
+
+
+def test_the_proposer_drafts_from_its_corpus_only_on_a_quiet_server(tmp_path):
+    from specserve.speculative.ngram import CORPUS_MAX_RUNNING
+
+    proposer = _proposer(tmp_path, [[5, 6, 7, 8, 9, 10]])
+    engine, items = _running(CORPUS_MAX_RUNNING, [1, 6, 7, 8])      # "6 7 8" is in the corpus only
+    trees = proposer.propose(engine, items, [4] * len(items))
+    assert [t.draft_tokens.tolist() for t in trees] == [[8, 9, 10]] * len(items)
+    engine, items = _running(CORPUS_MAX_RUNNING + 1, [1, 6, 7, 8])
+    assert all(t.is_root_only for t in proposer.propose(engine, items, [4] * len(items)))
+
+
+def test_a_corpus_beyond_the_targets_vocabulary_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="vocabulary"):
+        _proposer(tmp_path, [[5, 6, 100]])
