@@ -89,13 +89,13 @@ static long nc_bound(const nc_corpus *c, const int32_t *pattern, int w, int uppe
     return lo;
 }
 
-typedef struct { int32_t token, parent, count, first_child, next_sibling; } nc_node;
+typedef struct { int32_t token, parent, count, first_child, next_sibling, first_seen, depth; } nc_node;
 
 /* the continuations' trie below node 0 (the root), from up to NC_SAMPLE occurrences of [lo, hi) */
 static int nc_trie(const nc_corpus *c, long lo, long hi, int w, int depth, nc_node *nodes) {
     const long count = hi - lo, picks = count <= NC_SAMPLE ? count : NC_SAMPLE;
     int n = 1;
-    nodes[0] = (nc_node){-1, -1, 0, -1, -1};
+    nodes[0] = (nc_node){-1, -1, 0, -1, -1, -1, 0};
     for (long j = 0; j < picks; j++) {
         const long i = count <= NC_SAMPLE ? lo + j : lo + j * count / NC_SAMPLE;
         const long start = (long)c->order[i] + w;
@@ -107,7 +107,7 @@ static int nc_trie(const nc_corpus *c, long lo, long hi, int w, int depth, nc_no
             while (child >= 0 && nodes[child].token != t) last = child, child = nodes[child].next_sibling;
             if (child < 0) {
                 child = n++;
-                nodes[child] = (nc_node){t, node, 0, -1, -1};
+                nodes[child] = (nc_node){t, node, 0, -1, -1, (int32_t)j, d + 1};
                 if (last < 0) nodes[node].first_child = child;
                 else nodes[last].next_sibling = child;
             }
@@ -118,14 +118,22 @@ static int nc_trie(const nc_corpus *c, long lo, long hi, int w, int depth, nc_no
     return n;
 }
 
-/* the max_nodes - 1 most counted trie nodes (ties: lower index), written parents-first */
+/* a ranks before b: more counted, then first reached by an earlier occurrence, then shallower */
+static inline int nc_before(const nc_node *a, const nc_node *b) {
+    if (a->count != b->count) return a->count > b->count;
+    if (a->first_seen != b->first_seen) return a->first_seen < b->first_seen;
+    return a->depth < b->depth;
+}
+
+/* the max_nodes - 1 best-ranked trie nodes, written parents-first (a parent ranks before its
+   children) */
 static int nc_best(const nc_node *nodes, int n, int32_t root, int max_nodes, int32_t *tokens, int32_t *parents,
                    int32_t *kept, int32_t *index) {
     int k = 0;
     for (int i = 1; i < n; i++) {     /* insertion into the sorted prefix kept[0..k) */
-        if (k == max_nodes - 1 && nodes[i].count <= nodes[kept[k - 1]].count) continue;
+        if (k == max_nodes - 1 && !nc_before(&nodes[i], &nodes[kept[k - 1]])) continue;
         int pos = k < max_nodes - 1 ? k++ : k - 1;
-        while (pos > 0 && nodes[kept[pos - 1]].count < nodes[i].count) kept[pos] = kept[pos - 1], pos--;
+        while (pos > 0 && nc_before(&nodes[i], &nodes[kept[pos - 1]])) kept[pos] = kept[pos - 1], pos--;
         kept[pos] = i;
     }
     tokens[0] = root, parents[0] = -1, index[0] = 0;

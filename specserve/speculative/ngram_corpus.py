@@ -17,8 +17,9 @@ Design
   window with a continuation is used: up to ``SAMPLE`` of its occurrences, evenly spaced
   over the range, give continuations of up to min(branch_length, max_nodes - 1) tokens (cut
   at a document's end). They make a small trie whose nodes count the continuations through
-  them; the tree keeps the max_nodes - 1 most counted nodes (ties: first seen first), so a
-  parent always precedes its children and preferred siblings come first.
+  them; the tree keeps the max_nodes - 1 most counted nodes (ties: first reached by an earlier
+  continuation, then shallower), so a parent always precedes its children, preferred siblings
+  come first, and a smaller cap's tree is a prefix of a larger one's.
 This is the reference; ``NativeNgramCorpus`` (``kernels/ngram_corpus.c``) gives the same
 trees ~100x faster.
 """
@@ -131,18 +132,21 @@ def _compare(tokens: np.ndarray, start: int, pattern: list[int]) -> int:
 
 
 def _best_nodes(continuations: list[list[int]], root: int, max_nodes: int) -> tuple[list[int], list[int]]:
-    """The max_nodes - 1 most counted nodes of the continuations' trie, below ``root``."""
-    token, parent, count, children = [root], [-1], [0], [{}]
-    for cont in continuations:
+    """The max_nodes - 1 most counted nodes of the continuations' trie, below ``root``; ties go
+    to the node first reached by an earlier continuation, then to the shallower. A node's key
+    does not depend on how deep the continuations were read, and a parent's comes before its
+    children's, so a smaller cap's tree is a prefix of a larger one's (``Proposer.is_cheap``)."""
+    token, parent, count, key_of, children = [root], [-1], [0], [None], [{}]
+    for j, cont in enumerate(continuations):
         node = 0
-        for t in cont:
+        for depth, t in enumerate(cont, start=1):
             child = children[node].get(t)
             if child is None:
                 child = children[node][t] = len(token)
-                token.append(t), parent.append(node), count.append(0), children.append({})
+                token.append(t), parent.append(node), count.append(0), key_of.append((j, depth)), children.append({})
             count[child] += 1
             node = child
-    kept = sorted(range(1, len(token)), key=lambda i: (-count[i], i))[:max_nodes - 1]
+    kept = sorted(range(1, len(token)), key=lambda i: (-count[i], key_of[i]))[:max_nodes - 1]
     index = {0: 0}
     for i in kept:
         index[i] = len(index)

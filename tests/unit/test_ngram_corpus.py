@@ -65,6 +65,24 @@ def test_the_tree_keeps_the_most_counted_continuations_of_the_longest_window(see
         assert not kept or not left_out or max(left_out) <= min(kept)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_smaller_caps_tree_is_a_prefix_of_a_larger_ones(seed):
+    """What the worker relies on when it matches at the full cap and cuts the trees afterwards."""
+    from specserve.speculative.tree import truncate_tree
+
+    rng = random.Random(seed)
+    docs = [[rng.randrange(4) for _ in range(rng.randrange(0, 60))] for _ in range(8)]
+    kinds = [NgramCorpus] + ([NativeNgramCorpus] if native_available() else [])
+    for corpus in (kind(docs, 1, 4, rng.choice([3, 18])) for kind in kinds):
+        for _ in range(40):
+            tail = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+            full = corpus.match(tail, 16)
+            for cap in range(1, 16):
+                small, cut = corpus.match(tail, cap), truncate_tree(full, cap)
+                assert small.draft_tokens.tolist() == cut.draft_tokens.tolist()
+                assert small.parents.tolist() == cut.parents.tolist()
+
+
 def test_a_window_with_many_occurrences_reads_an_even_sample_of_them():
     docs = [[7, 8, i % 5] for i in range(1000)]              # "7 8" 1,000 times, then 0..4 evenly
     tree = NgramCorpus(docs, 2, 2, 1).match([7, 8], 6)
