@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NC_SORT_DEPTH 32
+#define NC_MAX_WINDOW 32
 #define NC_SAMPLE 64
 
 typedef struct {
@@ -18,9 +18,9 @@ typedef struct {
 
 static inline int32_t nc_at(const nc_corpus *c, long i) { return i < c->num_tokens ? c->tokens[i] : -1; }
 
-/* suffixes a and b over their first NC_SORT_DEPTH tokens, -1 past a document's end */
+/* suffixes a and b over their first max_window tokens, -1 past a document's end */
 static int nc_less_equal(const nc_corpus *c, int32_t a, int32_t b) {
-    for (int k = 0; k < NC_SORT_DEPTH; k++) {
+    for (int k = 0; k < c->max_window; k++) {
         const int32_t x = nc_at(c, (long)a + k), y = nc_at(c, (long)b + k);
         if (x != y) return x < y;
         if (x < 0) break;
@@ -52,7 +52,7 @@ void *corpus_new(const int32_t *tokens, long n, int min_window, int max_window, 
     nc_corpus *c = (nc_corpus *)calloc(1, sizeof(nc_corpus));
     if (!c) return NULL;
     c->min_window = min_window, c->branch_length = branch_length;
-    c->max_window = max_window < NC_SORT_DEPTH ? max_window : NC_SORT_DEPTH;
+    c->max_window = max_window < NC_MAX_WINDOW ? max_window : NC_MAX_WINDOW;
     c->num_tokens = n;
     c->tokens = (int32_t *)malloc(sizeof(int32_t) * (n > 0 ? n : 1));
     c->order = (int32_t *)malloc(sizeof(int32_t) * (n > 0 ? n : 1));

@@ -9,10 +9,10 @@ answers to training prompts by ``python -m specserve.train.ngram_corpus``).
 Design
 ------
 * The corpus is its documents' tokens, each followed by -1, and the suffixes starting at
-  a token, ordered by their first ``SORT_DEPTH`` tokens (a suffix's tokens after its first
+  a token, ordered by their first ``max_window`` tokens (a suffix's tokens after its first
   -1 count as -1), ties by position: a suffix array, 8 bytes a token, built at load.
 * ``match(context_tail, max_nodes)`` tries the context's last w tokens for w from
-  ``max_window`` down to ``min_window`` (both at most ``SORT_DEPTH``); the suffixes that
+  ``max_window`` (at most ``MAX_WINDOW``) down to ``min_window``; the suffixes that
   start with them are one range of the order, found by binary search. The first (longest)
   window with a continuation is used: up to ``SAMPLE`` of its occurrences, evenly spaced
   over the range, give continuations of up to min(branch_length, max_nodes - 1) tokens (cut
@@ -37,7 +37,7 @@ from specserve.speculative.tree import DraftTree, root_only
 if TYPE_CHECKING:
     from specserve.config import ServerArgs
 
-SORT_DEPTH = 32
+MAX_WINDOW = 32
 SAMPLE = 64
 FORMAT = "specserve-ngram-corpus"
 CONFIG_FILE, TOKENS_FILE = "config.json", "corpus.safetensors"
@@ -48,7 +48,7 @@ class NgramCorpus:
                  branch_length: int) -> None:
         if not 1 <= min_window <= max_window or branch_length < 1:
             raise ValueError("need 1 <= min_window <= max_window and branch_length >= 1")
-        self.min_window, self.max_window = min_window, min(max_window, SORT_DEPTH)
+        self.min_window, self.max_window = min_window, min(max_window, MAX_WINDOW)
         self.branch_length = branch_length
         self.tokens = _joined(documents)
         self.num_documents = len(documents)
@@ -81,8 +81,8 @@ class NgramCorpus:
 
     def _suffix_order(self) -> np.ndarray:
         starts = np.flatnonzero(self.tokens >= 0)
-        padded = np.concatenate([self.tokens, np.full(SORT_DEPTH, -1, np.int32)])
-        keys = np.stack([padded[starts + k] for k in range(SORT_DEPTH)])
+        padded = np.concatenate([self.tokens, np.full(self.max_window, -1, np.int32)])
+        keys = np.stack([padded[starts + k] for k in range(self.max_window)])
         keys[np.maximum.accumulate(keys < 0, axis=0)] = -1     # past a document's end: -1
         return starts[np.lexsort(keys[::-1])].astype(np.int32)   # stable: ties by position
 
