@@ -21,7 +21,8 @@ Design
   continuation, then shallower), so a parent always precedes its children, preferred siblings
   come first, and a smaller cap's tree is a prefix of a larger one's.
 This is the reference; ``NativeNgramCorpus`` (``kernels/ngram_corpus.c``) gives the same
-trees ~100x faster.
+trees, a match ~13x faster (~17 against ~230 us on the shipped corpus) and its order built ~4x
+faster.
 """
 from __future__ import annotations
 

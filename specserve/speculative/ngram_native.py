@@ -1,7 +1,7 @@
 """The n-gram cache and corpus in native code (``kernels/ngram_trie.c``, ``ngram_corpus.c``):
-``NgramCache``'s and ``NgramCorpus``'s structures and results, ~100x cheaper. ``make_ngram_cache``
-and ``make_ngram_corpus`` pick them where the CPU kernels load (``SPECSERVE_KERNELS=0`` or no
-compiler: the Python classes, the references)."""
+``NgramCache``'s and ``NgramCorpus``'s structures and results, ~100x and ~13x cheaper.
+``make_ngram_cache`` and ``make_ngram_corpus`` pick them where the CPU kernels load
+(``SPECSERVE_KERNELS=0`` or no compiler: the Python classes, the references)."""
 from __future__ import annotations
 
 import ctypes
