@@ -9,28 +9,24 @@ chat model repeats itself), in the regenerated-answer format's order, up to ``--
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 from specserve.loading.default_model import DEFAULT_MODEL_NAME
 from specserve.speculative.ngram_corpus import write_corpus
+from specserve.train.capture import answer_files, read_records
 
 
-def read_answers(paths: list[Path], max_tokens: int | None) -> list[list[int]]:
+def read_answers(answers: str, max_tokens: int | None) -> list[list[int]]:
+    """The answers' output tokens, in file order, up to ``max_tokens`` in all."""
     documents, total = [], 0
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in tqdm(f, desc=f"read {path.name}", unit="answer"):
-                if not line.strip():
-                    continue
-                ids = json.loads(line)["output_ids"]
-                if max_tokens is not None and total + len(ids) > max_tokens:
-                    return documents
-                documents.append(ids)
-                total += len(ids)
+    for record in tqdm(read_records(answers), desc="read answers", unit="answer"):
+        ids = record["output_ids"]
+        if max_tokens is not None and total + len(ids) > max_tokens:
+            break
+        documents.append(ids)
+        total += len(ids)
     return documents
 
 
@@ -43,13 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--about", default="the target's greedy answers to training prompts",
                    help="how the answers were made (config.json)")
     args = p.parse_args(argv)
-    paths = [Path(x) for x in args.answers.split(",") if x]
-    missing = [str(x) for x in paths if not x.is_file()]
+    missing = [str(x) for x in answer_files(args.answers) if not x.is_file()]
     if missing:
         p.error(f"--answers: no such file: {', '.join(missing)}")
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
-    documents = read_answers(paths, args.max_tokens)
+    documents = read_answers(args.answers, args.max_tokens)
     if not documents:
         p.error("--answers: no answers read")
     command = f"--answers {args.answers}" + (f" --max-tokens {args.max_tokens}" if args.max_tokens else "")
