@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -249,14 +248,16 @@ def _with_ngram_corpus(args: ServerArgs, model_path: str) -> ServerArgs:
     corpus = args.speculative_ngram_corpus
     if args.speculative_algorithm != "NGRAM" or (corpus or "").lower() == "none":
         return args
+    from specserve.speculative.ngram_corpus import is_corpus_folder
+
     if corpus is not None:
-        if not (Path(corpus) / "config.json").is_file():
+        if not is_corpus_folder(corpus):
             raise ConfigError(f"--speculative-ngram-corpus {corpus}: no corpus folder there (config.json and "
                               "corpus.safetensors; `python -m specserve.train.ngram_corpus` makes one)")
         return args
     from specserve.drafts import SHIPPED_NGRAM_CORPUS
 
-    if not is_default_model(model_path) or not (SHIPPED_NGRAM_CORPUS / "config.json").is_file():
+    if not is_default_model(model_path) or not is_corpus_folder(SHIPPED_NGRAM_CORPUS):
         return args
     logger.info("--speculative-algorithm NGRAM: drafting also from the shipped corpus %s where the cache has "
                 "no match (--speculative-ngram-corpus none: without it)", SHIPPED_NGRAM_CORPUS)

@@ -97,11 +97,11 @@ def _load_corpus(ctx: ProposerContext):
     if path is None or path.lower() == "none":
         return None
     documents, _ = read_corpus_documents(path)
+    corpus = make_ngram_corpus(documents, ctx.server_args)
     vocab_size = ctx.target_config.vocab_size
-    if any(t >= vocab_size for doc in documents for t in doc):
+    if corpus.num_tokens and int(corpus.tokens.max()) >= vocab_size:
         raise ValueError(f"--speculative-ngram-corpus {path}: token ids beyond the target's vocabulary "
                          f"({vocab_size}); the corpus was made for another model")
-    corpus = make_ngram_corpus(documents, ctx.server_args)
     logger.info("NGRAM corpus %s: %d answers, %d tokens", path, corpus.num_documents, corpus.num_tokens)
     return corpus
 

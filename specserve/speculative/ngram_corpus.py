@@ -154,13 +154,18 @@ def _best_nodes(continuations: list[list[int]], root: int, max_nodes: int) -> tu
     return [root] + [token[i] for i in kept], [-1] + [index[parent[i]] for i in kept]
 
 
+def is_corpus_folder(path: str | Path) -> bool:
+    folder = Path(path)
+    return (folder / CONFIG_FILE).is_file() and (folder / TOKENS_FILE).is_file()
+
+
 def read_corpus_documents(path: str | Path) -> tuple[list[list[int]], dict]:
     """The documents and config of a corpus folder (``config.json`` + ``corpus.safetensors``)."""
     from safetensors.torch import load_file
 
     folder = Path(path)
     config_path, tokens_path = folder / CONFIG_FILE, folder / TOKENS_FILE
-    if not config_path.is_file() or not tokens_path.is_file():
+    if not is_corpus_folder(folder):
         raise FileNotFoundError(f"{folder}: not an n-gram corpus folder (needs {CONFIG_FILE} and {TOKENS_FILE})")
     config = json.loads(config_path.read_text())
     if config.get("format") != FORMAT:
