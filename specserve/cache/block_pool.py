@@ -179,7 +179,7 @@ class BlockPool:
             return []
         page_size = self._page_size
         if page_size == 1:
-            return self._extend_run(slots, num)
+            return self._extend_run(slots, num) if self._run_gap else self.alloc_pages(num)
         tail = self._tail_slots(slots, num)
         num_rest = num - len(tail)
         pages = self.alloc_pages(-(-num_rest // page_size))

@@ -212,6 +212,14 @@ def test_a_run_that_meets_another_request_goes_on_in_a_new_run():
     assert not set(first) & set(second) and len(set(first)) == len(first)
 
 
+def test_run_gap_zero_is_the_free_list_order_alone():
+    """What `decode_attention --free-list` lays out: no run is continued either."""
+    pool = BlockPool(num_pages=64, run_gap=0)
+    first, second = pool.extend_slots([], 2), pool.extend_slots([], 2)
+    pool.release_slots(first)
+    assert second + pool.extend_slots(second, 1) == [2, 3, 0]       # the free list's top, not slot 4
+
+
 def test_a_pool_too_small_for_runs_hands_out_slots_in_order():
     pool = BlockPool(num_pages=100)
     assert pool.extend_slots([], 3) == [0, 1, 2]
