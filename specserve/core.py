@@ -127,6 +127,11 @@ class Request:
         return len(self.input_ids) + len(self.output_ids)
 
     @property
+    def last_id(self) -> int:
+        """``all_ids[-1]`` without joining the lists (every request, every decode step)."""
+        return self.output_ids[-1] if self.output_ids else self.input_ids[-1]
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -187,7 +187,7 @@ class LLMEngine:
     def decode_forward(self, items: list) -> torch.Tensor:
         """Logits [len(items), V] of each item's last token, its K/V written to its first new slot."""
         specs = [ExtendSpec(row=self.scheduler.row_of[item.req.rid], prefix_len=item.req.num_computed,
-                            token_ids=[item.req.all_ids[-1]], new_slots=item.new_slots[:1])
+                            token_ids=[item.req.last_id], new_slots=item.new_slots[:1])
                  for item in items]
         return self.runner.forward(specs)
 

@@ -97,8 +97,9 @@ class Proposer:
     next time it proposes, so a step where nobody speculates can be the engine's plain
     decode step, without the verify bookkeeping (what keeps a busy server at plain speed).
     ``follows_plain_steps``: such a step can be the plain decode step for this proposer too;
-    it then gets ``on_accepted`` with root-only trees and results, as a verify of those
-    would give it (EAGLE heads read the step's target features there).
+    it then gets ``on_plain_step``, by default ``on_accepted`` with root-only trees and
+    results, as a verify of those would give it (EAGLE heads read the step's target features
+    there, without the lists).
     ``last_switch_seconds``: set by proposers whose draft catches up on the positions it missed
     (EAGLE heads, draft models; ``catch_up_share``): the share of the catch-up forward spent on
     positions beyond what a verify leaves (``num_draft_tokens`` a request), i.e. on plain steps'
@@ -117,7 +118,7 @@ class Proposer:
         """After the target's prefill forward and commit of ``items`` (ScheduledItems)."""
 
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
-        """Trees for ``items`` (root = ``req.all_ids[-1]``), tree i with <= max_nodes[i] nodes."""
+        """Trees for ``items`` (root = ``req.last_id``), tree i with <= max_nodes[i] nodes."""
         raise NotImplementedError
 
     def on_skipped(self, engine, items: list) -> None:
@@ -128,6 +129,11 @@ class Proposer:
 
     def on_accepted(self, engine, items: list, trees: list[DraftTree], results: list[AcceptResult]) -> None:
         """After verification and KV compaction: the accepted path of every item's tree."""
+
+    def on_plain_step(self, engine, items: list) -> None:
+        """After a plain decode step of every item (``follows_plain_steps`` proposers)."""
+        self.on_accepted(engine, items, [root_only(item.req.last_id) for item in items],
+                         [AcceptResult([0], -1) for _ in items])
 
     def draft_cost(self, batch_size: int, max_nodes: int) -> float:
         """Estimated seconds of one ``propose`` over ``batch_size`` requests whose largest tree
@@ -230,7 +236,7 @@ class SpecWorker:
         if (proposer.catches_up_lazily or proposer.follows_plain_steps) and all(t.is_root_only for t in trees):
             out, forward_seconds = self._plain_step(engine, items)
             if not proposer.catches_up_lazily:
-                proposer.on_accepted(engine, items, trees, [AcceptResult([0], -1) for _ in items])
+                proposer.on_plain_step(engine, items)
             self.policy.observe_step([1] * len(items), time.perf_counter() - start, forward_seconds)
             return out
         logits, forward_seconds = _timed(tv.verify_forward, engine, items, trees)
@@ -267,12 +273,12 @@ class SpecWorker:
             if all(t.is_root_only for t in proposed):     # nothing matched: no weighing
                 self.policy.select(states, [1] * len(items), [0] * len(items))
                 return proposed
-        depth_caps = [self.proposer.max_depth(cap) for cap in caps]
+        depth_caps = self._depth_caps(caps)
         can_pick = self.policy.may_pick_any(states, caps, depth_caps)
         if can_pick:                                 # size each request's tree to its acceptance
             caps = [self.policy.preferred_nodes(state, cap, len(items), self.proposer.max_depth)
                     for state, cap in zip(states, caps)]
-            depth_caps = [self.proposer.max_depth(cap) for cap in caps]
+            depth_caps = self._depth_caps(caps)
         if self.proposer.is_cheap:                   # the policy sees the real tree sizes
             trees = ([truncate_tree(t, cap) for t, cap in zip(proposed, caps)] if proposed is not None
                      else self._propose_cheap(engine, items, caps, depth_caps, states, can_pick))
@@ -281,13 +287,21 @@ class SpecWorker:
             return [truncate_tree(t, n) if n > 1 or t.is_root_only else root_only(t.root_token)
                     for t, n in zip(trees, sizes)]
         sizes = _take_tree_slots(engine, items, self.policy.select(states, caps, depth_caps, can_pick))
+        if max(sizes) == 1:                          # nobody drafts (most steps of a busy server)
+            self.proposer.on_skipped(engine, items)
+            return [root_only(item.req.last_id) for item in items]
         picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
         skipped = [item for item, n in zip(items, sizes) if n == 1]
         drafted = iter(self.proposer.propose(engine, [i for i, _ in picked], [n for _, n in picked])
                        if picked else [])
         if skipped:
             self.proposer.on_skipped(engine, skipped)
-        return [next(drafted) if n > 1 else root_only(tail_ids(item.req, 1)[0]) for item, n in zip(items, sizes)]
+        return [next(drafted) if n > 1 else root_only(item.req.last_id) for item, n in zip(items, sizes)]
+
+    def _depth_caps(self, caps: list[int]) -> list[int]:
+        """The proposer's ``max_depth`` of each cap (asked once per distinct cap)."""
+        depth_of = {cap: self.proposer.max_depth(cap) for cap in set(caps)}
+        return [depth_of[cap] for cap in caps]
 
     def _proposing_first_is_cheap(self, batch_size: int, max_nodes: int) -> bool:
         """Whether a cheap proposer may propose for every request at the full cap before the
@@ -309,7 +323,7 @@ class SpecWorker:
         policy's choice is the same either way."""
         if not self.proposer.catches_up_lazily or can_pick:
             return self.proposer.propose(engine, items, caps)
-        trees = [root_only(tail_ids(item.req, 1)[0]) for item in items]
+        trees = [root_only(item.req.last_id) for item in items]
         if not self.policy.may_probe(states, caps, depth_caps):
             return trees
         for i in self.policy.probe_order(states, caps):

@@ -114,7 +114,7 @@ class DraftModelProposer(MirroredDraftProposer):
         steps = self.draft_steps(max(max_nodes))
         if steps > 1:
             pool = self._grow(engine, items, pool, frontier, steps)
-        roots = torch.tensor([tail_ids(item.req, 1)[0] for item in items])
+        roots = torch.tensor([item.req.last_id for item in items])
         tokens, parents = (x.cpu() for x in dt.rerank(pool, roots, self.ctx.params.num_draft_tokens))
         for item in items:
             self._mark(item.new_slots[1:], False)       # the target writes tree nodes there

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from specserve.core import SamplingParams
 from test_spec_sampling import _engine, _random_prompts, _staggered, _with_preemption
 from tiny_draft_heads import deepseek_mtp_tensors, eagle3_checkpoint, eagle_checkpoint, write_checkpoint
 from tiny_llama import VOCAB, random_weights, tiny_config, write_tiny_model
@@ -103,7 +104,7 @@ def test_unloadable_draft_falls_back_to_plain_decoding(tiny, tmp_path):
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "NEXTN"])
 def test_greedy_equals_plain_when_every_other_step_decodes_plainly(tiny, algo):
     """Steps where nobody drafts run as the engine's plain decode step; the head still gets
-    their target features (``on_accepted`` with root-only trees), so later drafts continue from
+    their target features (``on_plain_step``), so later drafts continue from
     the right entries and greedy output equals plain decoding."""
     prompts = _random_prompts(6, seed=3)
     model, kwargs = _spec(tiny, algo, "tree")
@@ -120,6 +121,34 @@ def test_greedy_equals_plain_when_every_other_step_decodes_plainly(tiny, algo):
     assert _staggered(spec_engine, prompts) == plain
     assert worker.num_plain_steps > 0 and worker.num_drafted_steps > 0
     assert spec_engine.engine.stats.spec_verify_ct > 0
+
+
+def test_plain_steps_leave_each_request_its_own_target_features(tiny):
+    """A plain step hands row i of its target features to item i (``on_plain_step``): the features
+    each request keeps for its next catch-up, prompt and decoded positions, are those it keeps
+    decoding alone (greedy output would not show a mix-up, only worse drafts)."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (9, 23, 14)]
+    model, kwargs = _spec(tiny, "EAGLE3", "chain")
+    batched = _pending_after_plain_steps(_engine(model, **kwargs), prompts)
+    for prompt, features in zip(prompts, batched):
+        assert features.shape[0] == len(prompt) + 4          # the prompt and four plain steps' roots
+        torch.testing.assert_close(features, _pending_after_plain_steps(_engine(model, **kwargs), [prompt])[0])
+
+
+def _pending_after_plain_steps(engine, prompts: list[list[int]], decode_steps: int = 4) -> list[torch.Tensor]:
+    """Each request's pending target features after a prefill and ``decode_steps`` plain steps."""
+    core = engine.engine
+    core.spec_worker.policy.select = lambda states, caps, depth_caps, *hint: [1] * len(caps)
+    rids = [core.add_request(None, ids, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
+            for ids in prompts]
+    for _ in range(1 + decode_steps):
+        core.step()
+    running = {req.rid: req for req in core.scheduler.running}
+    pending = [running[rid].spec_state.proposer.take_pending() for rid in rids]
+    for rid in rids:
+        core.abort_request(rid)
+    return pending
 
 
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])

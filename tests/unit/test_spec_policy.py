@@ -460,6 +460,19 @@ def test_may_probe_bounds_a_probe_that_only_a_two_node_tree_pays_for():
     assert policy.select([state], [12], [11]) == [PROBE_NODES]
 
 
+def test_the_probe_goes_to_probe_orders_first_request_not_drafting():
+    """``_probe``'s one-pass choice is ``probe_order``'s first request whose size is still 1."""
+    import random
+
+    rng = random.Random(5)
+    for trial in range(500):
+        bs = rng.choice([1, 2, 4, 16])
+        states, caps = _random_requests(rng, bs, fresh_share=0.3)
+        sizes = [rng.choice([1, 1, cap]) for cap in caps]
+        expected = next((i for i in SpecPolicy.probe_order(states, caps) if sizes[i] == 1), None)
+        assert SpecPolicy._first_due(states, caps, sizes) == expected, trial
+
+
 def test_a_step_with_nothing_to_draft_updates_the_policy_as_weighing_would():
     """``select`` on root-only trees skips the weighing (most NGRAM steps of a chat answer): its
     sizes and every update it makes (skipped steps, predictions, the picked share, the probe

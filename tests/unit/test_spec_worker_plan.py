@@ -50,7 +50,8 @@ def _random_step(rng, bs):
                                    backoff=rng.choice([0, 4]), num_skipped=rng.randrange(6))
         last = rng.randrange(100)
         req = SimpleNamespace(rid=f"r{i}", spec_state=RequestSpecState(policy=state), output_ids=[1] * 4 + [last],
-                              input_ids=[1] * 10, seq_len=15, sampling=SimpleNamespace(max_new_tokens=64))
+                              last_id=last, input_ids=[1] * 10, seq_len=15,
+                              sampling=SimpleNamespace(max_new_tokens=64))
         items.append(SimpleNamespace(req=req, new_slots=[i]))
         trees[req.rid] = _random_tree(rng, last)
     return items, trees
