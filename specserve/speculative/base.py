@@ -219,6 +219,8 @@ class SpecWorker:
 
     def __init__(self, params: SpecParams, proposer: Proposer, policy: SpecPolicy) -> None:
         self.params, self.proposer, self.policy = params, proposer, policy
+        # a step where nobody drafts can be the engine's plain decode step (Proposer's docstring)
+        self.takes_plain_steps = proposer.catches_up_lazily or proposer.follows_plain_steps
         self.accept_histogram = [0] * params.num_draft_tokens   # [accepted drafts] -> verifies
         self.num_draft_tokens_verified = 0                       # tree nodes past the root
         self.num_drafted_steps = self.num_plain_steps = 0        # per request and step: drafts or plain
@@ -231,14 +233,10 @@ class SpecWorker:
         items = batch.items
         start = time.perf_counter()
         trees = self._plan(engine, items)
+        if trees is None or (self.takes_plain_steps and all(t.is_root_only for t in trees)):
+            return self._plain_step(engine, items, start)
         self._count_steps(items, trees)
         proposer = self.proposer
-        if (proposer.catches_up_lazily or proposer.follows_plain_steps) and all(t.is_root_only for t in trees):
-            out, forward_seconds = self._plain_step(engine, items)
-            if not proposer.catches_up_lazily:
-                proposer.on_plain_step(engine, items)
-            self.policy.observe_step([1] * len(items), time.perf_counter() - start, forward_seconds)
-            return out
         logits, forward_seconds = _timed(tv.verify_forward, engine, items, trees)
         logits = tv.ban_stop_tokens_before_min_new_tokens(items, trees, logits)
         results = tv.accept_trees(engine, items, trees, logits, self.params)
@@ -255,15 +253,24 @@ class SpecWorker:
         self.policy.observe_step([t.num_nodes for t in trees], seconds, forward_seconds)
         return out
 
-    def _plain_step(self, engine, items: list) -> tuple[dict[str, TokenResult], float]:
-        """Nobody speculates: the engine's decode forward and sampling (each request holds the
-        one slot the scheduler gave it). Also returns the forward's seconds."""
+    def _plain_step(self, engine, items: list, start: float) -> dict[str, TokenResult]:
+        """Nobody speculates (``takes_plain_steps``): the engine's decode forward and sampling (each
+        request holds the one slot the scheduler gave it); the step began at ``start``."""
+        for item in items:
+            spec_state(item.req).policy.num_plain_steps += 1
+        self.num_plain_steps += len(items)
         logits, forward_seconds = _timed(engine.decode_forward, items)
         engine.scheduler.commit_all(items)
-        return engine.sample_one_each([item.req for item in items], logits), forward_seconds
+        out = engine.sample_one_each([item.req for item in items], logits)
+        if not self.proposer.catches_up_lazily:
+            self.proposer.on_plain_step(engine, items)
+        self.policy.observe_step([1] * len(items), time.perf_counter() - start, forward_seconds)
+        return out
 
-    def _plan(self, engine, items: list) -> list[DraftTree]:
-        """One tree per item: the proposer's for the requests the policy picks, root-only otherwise."""
+    def _plan(self, engine, items: list) -> list[DraftTree] | None:
+        """One tree per item: the proposer's for the requests the policy picks, root-only otherwise;
+        None where every item decodes plainly and the proposer ``takes_plain_steps`` (no trees made:
+        most steps of a busy server)."""
         self.proposer.last_switch_seconds = 0.0
         caps = [max_tree_nodes(engine, item, self.params.num_draft_tokens) for item in items]
         states = [spec_state(item.req).policy for item in items]
@@ -272,7 +279,7 @@ class SpecWorker:
             proposed = self.proposer.propose(engine, items, caps)
             if all(t.is_root_only for t in proposed):     # nothing matched: no weighing
                 self.policy.select(states, [1] * len(items), [0] * len(items))
-                return proposed
+                return None if self.takes_plain_steps else proposed
         depth_caps = self._depth_caps(caps)
         can_pick = self.policy.may_pick_any(states, caps, depth_caps)
         if can_pick:                                 # size each request's tree to its acceptance
@@ -289,7 +296,7 @@ class SpecWorker:
         sizes = _take_tree_slots(engine, items, self.policy.select(states, caps, depth_caps, can_pick))
         if max(sizes) == 1:                          # nobody drafts (most steps of a busy server)
             self.proposer.on_skipped(engine, items)
-            return [root_only(item.req.last_id) for item in items]
+            return None if self.takes_plain_steps else [root_only(item.req.last_id) for item in items]
         picked = [(item, n) for item, n in zip(items, sizes) if n > 1]
         skipped = [item for item, n in zip(items, sizes) if n == 1]
         drafted = iter(self.proposer.propose(engine, [i for i, _ in picked], [n for _, n in picked])

@@ -249,7 +249,11 @@ class StepCost:
 
     def least(self, width: int) -> float:
         """A lower bound on any step of ``width`` rows with a draft: no padding, the cheapest draft."""
-        return self.scale * (self.curve(width) + self.host + max(self.draft_cost(1, 2) + self.overhead, 0.0))
+        return self.scale * (self.curve(width) + self.host + self.least_draft())
+
+    def least_draft(self) -> float:
+        """``least``'s drafting term: one request drafting a 2-node tree, with the learned overhead."""
+        return max(self.draft_cost(1, 2) + self.overhead, 0.0)
 
     def observe(self, bs: int, width: int, max_q: int, num_drafting: int, seconds: float,
                 is_warm: bool = True, forward_seconds: float | None = None) -> None:
@@ -398,6 +402,11 @@ class SpecPolicy:
         return ((state.accepted + PRIOR_WEIGHT * self.global_rate)
                 / (state.accepted + state.rejected + PRIOR_WEIGHT))
 
+    def _rates(self, picked: list[tuple[RequestPolicyState, int]]) -> list[tuple[float, int]]:
+        """``rate`` of each (state, depth) pair, with its depth (the global rate read once)."""
+        prior = PRIOR_WEIGHT * self.global_rate
+        return [((s.accepted + prior) / (s.accepted + s.rejected + PRIOR_WEIGHT), depth) for s, depth in picked]
+
     def preferred_nodes(self, state: RequestPolicyState, cap: int, bs: int,
                         depth_of: Callable[[int], int]) -> int:
         """The tree size (2..cap nodes) that makes this request's step most productive:
@@ -436,13 +445,16 @@ class SpecPolicy:
             return True
         bs = len(states)
         calibration = self.calibration
-        rates = [(self.rate(s), depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
-        gains = sorted((calibration * rate ** d for rate, depth in rates for d in range(1, depth + 1)), reverse=True)
-        keeps = any(n > 1 and s.has_history and self._keeps_drafting(s) for s, n in zip(states, nodes))
+        picked = [(s, depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
+        gains = sorted((calibration * rate ** d for rate, depth in self._rates(picked) for d in range(1, depth + 1)),
+                       reverse=True)
+        keeps = any(self._keeps_drafting(s) for s, _ in picked)
         threshold = (1.0 + (-KEEP_MARGIN if keeps else MARGIN)) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
+        cost = self.cost
+        scale, curve, host, least_draft = cost.scale, cost.curve, cost.host, cost.least_draft()
         for width, gain in enumerate(gains, start=bs + 1):
-            seconds = self.cost.least(width)
+            seconds = scale * (curve(width) + host + least_draft)      # cost.least(width)
             if (tokens + remaining) / seconds <= threshold:     # no wider step can pass either
                 return False
             tokens, remaining = tokens + gain, remaining - gain

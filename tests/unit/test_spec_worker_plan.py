@@ -3,7 +3,7 @@ that costs little) and cutting the trees to the policy's sizes afterwards gives 
 policy state that the policy-first order gives, including steps where nothing matched. One
 difference: the probe credit's cap (PROBE_CREDIT_PROBES probes' worth) applies as soon as a due
 request shows a tree, where the policy-first order, which does not match requests that cannot
-probe, applies it at the next probe."""
+probe, applies it at the next probe. (A plan of None is every request decoding plainly.)"""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,7 @@ from specserve.speculative.base import Proposer, SpecWorker
 from specserve.speculative.params import SpecParams
 from specserve.speculative.policy import CostCurve, RequestPolicyState, SpecPolicy
 from specserve.speculative.state import RequestSpecState
-from specserve.speculative.tree import DraftTree, truncate_tree
+from specserve.speculative.tree import DraftTree, root_only, truncate_tree
 
 N = 12
 
@@ -81,7 +81,7 @@ def test_matching_first_plans_what_the_policy_first_order_plans(seed, monkeypatc
             worker = SpecWorker(SpecParams("NGRAM", 0, 0, N), PrefixProposer(full_trees), copy.deepcopy(policy))
             monkeypatch.setattr(worker, "_proposing_first_is_cheap", lambda bs, n, first=first: first)
             step_items = copy.deepcopy(items)
-            trees = worker._plan(engine, step_items)
+            trees = worker._plan(engine, step_items) or [root_only(item.req.last_id) for item in step_items]
             assert [len(item.new_slots) for item in step_items] == [t.num_nodes for t in trees]
             plans[first] = ([(t.draft_tokens.tolist(), t.parents.tolist()) for t in trees],
                             {k: v for k, v in vars(worker.policy).items() if k not in ("cost", "probe_credit")},
