@@ -2,7 +2,6 @@
 target ids, ``torch.save``d as a list) and the EAGLE3 draft vocabulary (``d2t``/``t2d``)."""
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -12,21 +11,15 @@ import torch
 
 def count_tokens(answers, include_prompt: bool = False) -> Counter:
     """Occurrences of every token id in the answers (and prompts if asked) of regenerate
-    JSONL file(s): a path, a comma-separated string of paths, or a list."""
-    paths = answers if isinstance(answers, (list, tuple)) else str(answers).split(",")
+    JSONL file(s): a path, a comma-separated string of paths, or a list (``read_records``,
+    which skips a last line still being written)."""
+    from specserve.train.capture import read_records
+
     counts: Counter = Counter()
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:   # the last line of a file still being written
-                    continue
-                counts.update(record["output_ids"])
-                if include_prompt:
-                    counts.update(record["input_ids"])
+    for record in read_records(answers):
+        counts.update(record["output_ids"])
+        if include_prompt:
+            counts.update(record["input_ids"])
     return counts
 
 
