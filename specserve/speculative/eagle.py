@@ -39,7 +39,7 @@ from specserve.speculative.tree import DraftTree, chain as chain_tree, truncate_
 
 class EagleProposer(MirroredDraftProposer):
     cost_budget_s = 0.3
-    follows_plain_steps = True       # a step nobody drafts in: the features come through on_accepted
+    follows_plain_steps = True       # a step nobody drafts in: the features come through on_plain_step
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)

