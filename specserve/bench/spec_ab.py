@@ -22,7 +22,7 @@ import statistics
 import time
 
 from specserve.bench import serving
-from specserve.bench.prompts import COPY_HEAVY, chat_ids
+from specserve.bench.prompts import COPY_HEAVY
 
 
 def _json_dict(text: str) -> dict:
@@ -78,7 +78,7 @@ def main() -> None:
     groups = [ids[i:i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
     for engine in (plain, spec):
-        _warm_up(engine, args.batch_size, params)
+        _warm_up(engine, args.batch_size, args.max_new_tokens)
     clock = time.process_time if args.cpu_time else time.perf_counter
     ratios, total, same, metas = [], {plain: 0.0, spec: 0.0}, 0, []
     for gi, group in enumerate(groups):
@@ -95,14 +95,14 @@ def main() -> None:
     _report(args, len(ids), same, ratios, total[plain], total[spec], metas, spec.engine.get_server_info())
 
 
-def _warm_up(engine, batch_size: int, params: dict) -> None:
-    """As a server starts: its KV caches touched, then one untimed group of the warm-up prompt
-    (not one of the measured ones, whose answers an n-gram cache would then know). Without it
-    the first group's cold start went into the figures: the EAGLE3 engine's first group of 16
-    took 1.72 s where the plain engine's took 1.34, and later groups ~1.3 each (AVX-512 Zen4)."""
+def _warm_up(engine, batch_size: int, max_new_tokens: int) -> None:
+    """As a server starts: its KV caches touched, then ``serving.warm_up``'s untimed group of its
+    warm-up prompt (none of the measured ones, whose answers an n-gram cache would then know).
+    Without it the first group's cold start went into the figures: the EAGLE3 engine's first
+    group of 16 took 1.72 s where the plain engine's took 1.34, and later groups ~1.3 each
+    (AVX-512 Zen4)."""
     engine.engine.prefault_kv_cache()
-    ids = chat_ids(engine.tokenizer, serving.WARMUP_TEXT)
-    engine.generate(input_ids=[ids] * batch_size, sampling_params=params)
+    serving.warm_up(engine.engine, engine.tokenizer, batch_size, max_new_tokens)
 
 
 def _report(args, num, same, ratios, t_plain, t_spec, metas, info) -> None:
