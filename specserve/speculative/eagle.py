@@ -87,9 +87,7 @@ class EagleProposer(MirroredDraftProposer):
         trees, without their per-request lists and slices)."""
         features = self.ctx.target_runner.last_features
         for row, item in enumerate(items):
-            state = _state(item.req)
-            state.pending.append((features, row, row + 1))
-            state.pending_end += 1
+            _state(item.req).push_range(features, row, row + 1)
 
     # ---- drafting -----------------------------------------------------------------
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
@@ -227,18 +225,21 @@ class _EagleState:
     def push(self, features: Tensor, start: int) -> None:
         if start != self.pending_end:
             raise RuntimeError(f"EAGLE features for position {start}, expected {self.pending_end}")
-        self.pending.append((features, 0, features.shape[0]))
-        self.pending_end += features.shape[0]
+        self.push_range(features, 0, features.shape[0])
 
     def push_rows(self, features: Tensor, rows: list[int]) -> None:
         """These rows of a forward's ``features`` at the next pending positions: a range where they
-        are consecutive (a chain's accepted prefix, the root of a plain step), else a copy."""
+        are consecutive (a chain's accepted prefix), else a copy."""
         if rows[-1] - rows[0] == len(rows) - 1:
-            self.pending.append((features, rows[0], rows[-1] + 1))
+            self.push_range(features, rows[0], rows[-1] + 1)
         else:
             index = torch.tensor(rows, device=features.device)
-            self.pending.append((features.index_select(0, index), 0, len(rows)))
-        self.pending_end += len(rows)
+            self.push_range(features.index_select(0, index), 0, len(rows))
+
+    def push_range(self, features: Tensor, start: int, end: int) -> None:
+        """Rows ``start .. end - 1`` of a forward's ``features`` at the next pending positions."""
+        self.pending.append((features, start, end))
+        self.pending_end += end - start
 
     def take_pending(self) -> Tensor:
         pending, self.pending = self.pending, []
