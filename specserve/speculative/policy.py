@@ -247,9 +247,11 @@ class StepCost:
         draft = max(self.draft_cost(num_drafting, max_q) + self.overhead, 0.0) if num_drafting else 0.0
         return self.scale * (self.curve(width) + self.pad * (bs * max_q - width) + self.host + draft)
 
-    def least(self, width: int) -> float:
-        """A lower bound on any step of ``width`` rows with a draft: no padding, the cheapest draft."""
-        return self.scale * (self.curve(width) + self.host + self.least_draft())
+    def least(self, width: int, least_draft: float | None = None) -> float:
+        """A lower bound on any step of ``width`` rows with a draft: no padding, the cheapest draft
+        (``least_draft()``, which a caller asking for many widths may pass in)."""
+        draft = self.least_draft() if least_draft is None else least_draft
+        return self.scale * (self.curve(width) + self.host + draft)
 
     def least_draft(self) -> float:
         """``least``'s drafting term: one request drafting a 2-node tree, with the learned overhead."""
@@ -345,8 +347,6 @@ class SpecPolicy:
             sizes[i] = nodes[i]
         if not self._probe(states, nodes, depths, sizes) and k == 0:    # nobody speculates
             self._count_skipped(states)
-            self.last_step_is_warm = True
-            self._log_change(bs, 0)
             return sizes
         for state, size, depth in zip(states, sizes, depths):
             state.num_skipped = 0 if size > 1 else state.num_skipped + 1
@@ -364,24 +364,25 @@ class SpecPolicy:
         probe needs a tree with a draft), the probe credit accrues a plain step's share, and
         every request counts one more skipped step and predicts no extra tokens."""
         bs = len(states)
-        self.last_step_is_warm = True
         if self.is_always:
+            self.last_step_is_warm = True
             for state in states:
                 state.predicted = 0.0
             return [1] * bs
         self.picked_share -= PICKED_EMA_WEIGHT * self.picked_share
         self.probe_credit += self._probe_accrual(self.cost(bs, bs, 1, 0), self.picked_share)
         self._count_skipped(states)
-        self._log_change(bs, 0)
         return [1] * bs
 
-    @staticmethod
-    def _count_skipped(states: list[RequestPolicyState]) -> None:
-        """Every request decodes plainly this step: one more skipped step, no extra tokens predicted."""
+    def _count_skipped(self, states: list[RequestPolicyState]) -> None:
+        """Every request decodes plainly this step: one more skipped step, no extra tokens predicted
+        (a step without drafts is warm), and the change logged."""
         for state in states:
             state.num_skipped += 1
             state.num_drafting_in_row = 0
             state.predicted = 0.0
+        self.last_step_is_warm = True
+        self._log_change(len(states), 0)
 
     @property
     def calibration(self) -> float:
@@ -401,11 +402,6 @@ class SpecPolicy:
         """The request's acceptance rate per draft token, shrunk towards the global one."""
         return ((state.accepted + PRIOR_WEIGHT * self.global_rate)
                 / (state.accepted + state.rejected + PRIOR_WEIGHT))
-
-    def _rates(self, picked: list[tuple[RequestPolicyState, int]]) -> list[tuple[float, int]]:
-        """``rate`` of each (state, depth) pair, with its depth (the global rate read once)."""
-        prior = PRIOR_WEIGHT * self.global_rate
-        return [((s.accepted + prior) / (s.accepted + s.rejected + PRIOR_WEIGHT), depth) for s, depth in picked]
 
     def preferred_nodes(self, state: RequestPolicyState, cap: int, bs: int,
                         depth_of: Callable[[int], int]) -> int:
@@ -446,15 +442,14 @@ class SpecPolicy:
         bs = len(states)
         calibration = self.calibration
         picked = [(s, depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
-        gains = sorted((calibration * rate ** d for rate, depth in self._rates(picked) for d in range(1, depth + 1)),
+        gains = sorted((calibration * self.rate(s) ** d for s, depth in picked for d in range(1, depth + 1)),
                        reverse=True)
         keeps = any(self._keeps_drafting(s) for s, _ in picked)
         threshold = (1.0 + (-KEEP_MARGIN if keeps else MARGIN)) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
-        cost = self.cost
-        scale, curve, host, least_draft = cost.scale, cost.curve, cost.host, cost.least_draft()
+        least_draft = self.cost.least_draft()
         for width, gain in enumerate(gains, start=bs + 1):
-            seconds = scale * (curve(width) + host + least_draft)      # cost.least(width)
+            seconds = self.cost.least(width, least_draft)
             if (tokens + remaining) / seconds <= threshold:     # no wider step can pass either
                 return False
             tokens, remaining = tokens + gain, remaining - gain
