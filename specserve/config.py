@@ -110,6 +110,7 @@ class ServerArgs:
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 10_000_000
     speculative_ngram_corpus: str | None = None          # not in SGLang (see flags.py)
+    speculative_ngram_assist: int = 0                    # not in SGLang (see flags.py)
 
     def __post_init__(self) -> None:
         self._validate_basic()
@@ -150,8 +151,17 @@ class ServerArgs:
                 raise ConfigError(f"--speculative-algorithm must be one of {', '.join(SPEC_ALGORITHMS)}; "
                                   f"got {self.speculative_algorithm!r}")
             self.speculative_algorithm = algo
-        if self.speculative_ngram_corpus is not None and self.speculative_algorithm != "NGRAM":
-            raise ConfigError("--speculative-ngram-corpus applies to --speculative-algorithm NGRAM only")
+        self._validate_ngram_assist()
+
+    def _validate_ngram_assist(self) -> None:
+        assist, algorithm = self.speculative_ngram_assist, self.speculative_algorithm
+        if assist and (assist < 2 or algorithm in (None, "NGRAM")):
+            raise ConfigError("--speculative-ngram-assist takes 0 (off) or the n-gram trees' nodes (>= 2), with "
+                              f"--speculative-algorithm EAGLE, EAGLE3, NEXTN or STANDALONE; got {assist}"
+                              + (f" with {algorithm}" if algorithm else " without an algorithm"))
+        if self.speculative_ngram_corpus is not None and algorithm != "NGRAM" and not assist:
+            raise ConfigError("--speculative-ngram-corpus applies to --speculative-algorithm NGRAM or "
+                              "--speculative-ngram-assist only")
 
     def resolved_device(self) -> str:
         import torch

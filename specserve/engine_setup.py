@@ -71,7 +71,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     args = _with_ngram_corpus(args, model_path)
     spec = resolve_spec_params(args, cfg)
     _check_token_map(args, spec, cfg)
-    spec_width = spec.num_draft_tokens if spec else 1   # KV slots per decode step per request
+    spec_width = spec.tree_cap if spec else 1   # KV slots per decode step per request
     try:
         draft = _read_draft(args, spec, cfg, tokenizer)
     except (OSError, ValueError, ConfigError) as exc:
@@ -243,10 +243,11 @@ def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: t
 
 
 def _with_ngram_corpus(args: ServerArgs, model_path: str) -> ServerArgs:
-    """NGRAM's corpus: the given folder (checked here, so a wrong path is a flag error), none for
-    `none`, and unset with the default model the shipped corpus of its own answers."""
+    """NGRAM's corpus (also an assisting NGRAM's): the given folder (checked here, so a wrong path is a
+    flag error), none for `none`, and unset with the default model the shipped corpus of its own answers."""
     corpus = args.speculative_ngram_corpus
-    if args.speculative_algorithm != "NGRAM" or (corpus or "").lower() == "none":
+    uses_ngram = args.speculative_algorithm == "NGRAM" or args.speculative_ngram_assist
+    if not uses_ngram or (corpus or "").lower() == "none":
         return args
     from specserve.speculative.ngram_corpus import is_corpus_folder
 
@@ -259,8 +260,8 @@ def _with_ngram_corpus(args: ServerArgs, model_path: str) -> ServerArgs:
 
     if not is_default_model(model_path) or not is_corpus_folder(SHIPPED_NGRAM_CORPUS):
         return args
-    logger.info("--speculative-algorithm NGRAM: drafting also from the shipped corpus %s where the cache has "
-                "no match (--speculative-ngram-corpus none: without it)", SHIPPED_NGRAM_CORPUS)
+    logger.info("NGRAM: drafting also from the shipped corpus %s where the cache has no match "
+                "(--speculative-ngram-corpus none: without it)", SHIPPED_NGRAM_CORPUS)
     return dataclasses.replace(args, speculative_ngram_corpus=str(SHIPPED_NGRAM_CORPUS))
 
 

@@ -202,6 +202,9 @@ FLAG_DOCS: dict[str, FlagDoc] = {
                                       "from where the cache has no match (`python -m "
                                       "specserve.train.ngram_corpus` makes one); `none` for none. Default: "
                                       "the shipped corpus with the default model, none otherwise."),
+    "speculative_ngram_assist": _spec("EAGLE, EAGLE3, NEXTN, STANDALONE (not in SGLang): N >= 2 lets NGRAM's "
+                                      "cache and corpus draft first, trees of up to N nodes, and the draft "
+                                      "model only where they have no match; 0 (the default) turns it off."),
     # ---- logging -----------------------------------------------------------------------------
     "log_level": FlagDoc("logging", "How much the server logs: info shows startup and decode lines, warning "
                          "only problems.", choices=("debug", "info", "warning", "error", "critical")),

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import sys
 import time
-from typing import NoReturn
 
 import torch
 from tqdm import tqdm
@@ -72,6 +70,7 @@ def _args() -> argparse.Namespace:
         args.page_sizes = serving.parse_int_list(args.page_sizes)
     except ValueError as e:
         p.error(f"--page-sizes: {e}")
+    args.functions = _kernel_functions(p, args.variants)
     return args
 
 
@@ -98,27 +97,28 @@ def _calls(args, names: list[str], layouts: dict[str, torch.Tensor]) -> tuple[di
     return calls, (k, v, q, out, mask, rows, queries, layouts)
 
 
-def _usage_error(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def main() -> None:
-    args = _args()
-    names = args.variants.split(",") if args.variants else [None]
+def _kernel_functions(p: argparse.ArgumentParser, variants: str | None) -> dict:
+    """``paged_attention`` of each build ``--variants`` names (default: the one this CPU loads),
+    by a short label; a build that cannot be loaded is a usage error."""
     function = {}
-    for name in names:
+    for name in variants.split(",") if variants else [None]:
         try:
             library = (build.load() if name is None else ctypes.CDLL(name) if name.endswith(".so")
                        else build.load_variant(name))
         except OSError as e:
-            _usage_error(f"--variants: {e}")
+            p.error(f"--variants: {e}")
         if library is None:
-            _usage_error(f"--variants: kernel variant {name} cannot be loaded here" if name else
-                         "the CPU kernels cannot be loaded here (SPECSERVE_KERNELS=0, no C compiler, or no AVX2: "
-                         "see specserve/kernels/build.py)")
+            p.error(f"--variants: kernel variant {name} cannot be loaded here" if name else
+                    "the CPU kernels cannot be loaded here (SPECSERVE_KERNELS=0, no C compiler, or no AVX2: "
+                    "see specserve/kernels/build.py)")
         function[(name or build.variant_name()).rsplit("/", 1)[-1][-24:]] = build.function_of(
             library, "paged_attention", attention._ARGTYPES)
+    return function
+
+
+def main() -> None:
+    args = _args()
+    function = args.functions
     cases = [(str(page), page, True) for page in args.page_sizes]
     if args.free_list:
         cases.append(("1, free list", 1, False))

@@ -8,9 +8,10 @@ The engine calls, per step:
   policy -> proposer.propose -> one target forward over every tree ->
   verification -> KV compaction -> stats. Returns ``{rid: TokenResult}``.
 
-A proposer sees only its own state (``req.spec_state.proposer``) and the
-engine's public parts (scheduler rows, runner, pool); it imports speculative/base,
-tree and verify, never another proposer.
+A proposer sees only its own state (``req.spec_state.proposer``; NGRAM's is
+``req.spec_state.ngram``) and the engine's public parts (scheduler rows, runner, pool); it
+imports speculative/base, tree and verify, never another proposer. One wrapper composes two:
+``ngram_assist.py`` (``--speculative-ngram-assist``) lets NGRAM draft before a draft model.
 """
 from __future__ import annotations
 
@@ -97,9 +98,8 @@ class Proposer:
     next time it proposes, so a step where nobody speculates can be the engine's plain
     decode step, without the verify bookkeeping (what keeps a busy server at plain speed).
     ``follows_plain_steps``: such a step can be the plain decode step for this proposer too;
-    it then gets ``on_plain_step``, by default ``on_accepted`` with root-only trees and
-    results, as a verify of those would give it (EAGLE heads read the step's target features
-    there, without the lists).
+    it then gets ``on_plain_step``, which such a proposer implements (EAGLE heads read the
+    step's target features there).
     ``last_switch_seconds``: set by proposers whose draft catches up on the positions it missed
     (EAGLE heads, draft models; ``catch_up_share``): the share of the catch-up forward spent on
     positions beyond what a verify leaves (``num_draft_tokens`` a request), i.e. on plain steps'
@@ -131,9 +131,8 @@ class Proposer:
         """After verification and KV compaction: the accepted path of every item's tree."""
 
     def on_plain_step(self, engine, items: list) -> None:
-        """After a plain decode step of every item (``follows_plain_steps`` proposers)."""
-        self.on_accepted(engine, items, [root_only(item.req.last_id) for item in items],
-                         [AcceptResult([0], -1) for _ in items])
+        """After a plain decode step of every item: ``follows_plain_steps`` proposers implement it."""
+        raise NotImplementedError(f"{type(self).__name__} follows plain steps but has no on_plain_step")
 
     def draft_cost(self, batch_size: int, max_nodes: int) -> float:
         """Estimated seconds of one ``propose`` over ``batch_size`` requests whose largest tree
@@ -165,10 +164,14 @@ def get_proposer_class(algorithm: str) -> type[Proposer]:
 
 def create_spec_worker(ctx: ProposerContext) -> "SpecWorker":
     proposer = get_proposer_class(ctx.params.algorithm)(ctx)
+    if ctx.params.assist_nodes:
+        from specserve.speculative.ngram_assist import NgramAssistedProposer
+
+        proposer = NgramAssistedProposer(ctx, proposer)
     t0 = time.perf_counter()
     curve = measure_target_cost(ctx)
     proposer.measure_cost()
-    policy = SpecPolicy(curve, proposer.draft_cost, ctx.params.num_draft_tokens,
+    policy = SpecPolicy(curve, proposer.draft_cost, ctx.params.tree_cap,
                         is_always=ctx.params.policy == "always",
                         warm_steps=0 if proposer.is_cheap else DRAFT_WARM_STEPS)
     logger.info("speculative %s: S=%d K=%d N=%d; verify cost %s; draft cost(1)=%.1fms; speculation "
@@ -221,7 +224,7 @@ class SpecWorker:
         self.params, self.proposer, self.policy = params, proposer, policy
         # a step where nobody drafts can be the engine's plain decode step (Proposer's docstring)
         self.takes_plain_steps = proposer.catches_up_lazily or proposer.follows_plain_steps
-        self.accept_histogram = [0] * params.num_draft_tokens   # [accepted drafts] -> verifies
+        self.accept_histogram = [0] * params.tree_cap           # [accepted drafts] -> verifies
         self.num_draft_tokens_verified = 0                       # tree nodes past the root
         self.num_drafted_steps = self.num_plain_steps = 0        # per request and step: drafts or plain
 
@@ -272,7 +275,7 @@ class SpecWorker:
         None where every item decodes plainly and the proposer ``takes_plain_steps`` (no trees made:
         most steps of a busy server)."""
         self.proposer.last_switch_seconds = 0.0
-        caps = [max_tree_nodes(engine, item, self.params.num_draft_tokens) for item in items]
+        caps = [max_tree_nodes(engine, item, self.params.tree_cap) for item in items]
         states = [spec_state(item.req).policy for item in items]
         proposed = None
         if self.proposer.is_cheap and self._proposing_first_is_cheap(len(items), max(caps)):
@@ -370,6 +373,7 @@ class SpecWorker:
         return {"speculative_draft_model_path": args.speculative_draft_model_path,
                 "speculative_token_map": args.speculative_token_map,
                 "speculative_ngram_corpus": args.speculative_ngram_corpus,
+                "speculative_ngram_assist": p.assist_nodes,
                 "spec_accept_histogram": list(self.accept_histogram),
                 "spec_draft_tokens": self.num_draft_tokens_verified,
                 "speculative_num_steps": p.num_steps, "speculative_eagle_topk": p.topk,

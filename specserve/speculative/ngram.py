@@ -116,7 +116,7 @@ class _NgramState:
 
 def _state(req: Request) -> _NgramState:
     state = spec_state(req)
-    if state.proposer is None:
-        state.proposer = _NgramState()
-    return state.proposer
+    if state.ngram is None:
+        state.ngram = _NgramState()
+    return state.ngram
 

@@ -51,10 +51,16 @@ class SpecParams:
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
     policy: str = "auto"      # auto: speculate where it pays; always: every step
+    assist_nodes: int = 0     # --speculative-ngram-assist: NGRAM's trees first, of up to this many nodes
 
     @property
     def is_chain(self) -> bool:
         return self.topk == 1 and self.algorithm != "NGRAM"
+
+    @property
+    def tree_cap(self) -> int:
+        """Most nodes a request's tree may have in a step (its KV slots): N, or an assisting NGRAM tree's."""
+        return max(self.num_draft_tokens, self.assist_nodes)
 
 
 def auto_choose(algorithm: str, architecture: str) -> tuple[int, int, int]:
@@ -79,7 +85,7 @@ def resolve_spec_params(args: "ServerArgs", model_config: "ModelConfig | None" =
         return SpecParams(algorithm, 0, 0, n, single, acc, policy)
     steps, topk, n = _shape(args, algorithm, arch)
     _check_standalone(args, algorithm)
-    params = SpecParams(algorithm, steps, topk, n, single, acc, policy)
+    params = SpecParams(algorithm, steps, topk, n, single, acc, policy, args.speculative_ngram_assist)
     if algorithm not in IMPLEMENTED:
         raise ConfigError(f"--speculative-algorithm {args.speculative_algorithm}: not implemented yet "
                           f"(available: {', '.join(IMPLEMENTED)})")

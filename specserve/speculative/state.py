@@ -13,6 +13,7 @@ from specserve.speculative.policy import RequestPolicyState
 @dataclass
 class RequestSpecState:
     proposer: Any = None                           # proposer-private
+    ngram: Any = None                              # NGRAM's (its own field: it may assist another proposer)
     cpu_generator: torch.Generator | None = None   # seeded coins for sample_accept
     policy: RequestPolicyState = field(default_factory=RequestPolicyState)
 

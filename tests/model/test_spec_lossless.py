@@ -1,5 +1,6 @@
 """Greedy speculative decoding == plain greedy decoding, token for token, on the default
-model (SmolLM2-135M-Instruct, float32), for NGRAM and STANDALONE.
+model (SmolLM2-135M-Instruct, float32), for NGRAM, STANDALONE, the shipped drafts, and draft
+models assisted by NGRAM (``--speculative-ngram-assist``).
 
 Every speculative engine runs with ``SPECSERVE_SPEC_POLICY=always`` so each decode step
 really speculates (on a CPU the cost model would often choose plain decoding).
@@ -21,7 +22,8 @@ COPY_TEXT = ("Repeat this text exactly: The quick brown fox jumps over the lazy 
              "five dozen liquor jugs. How vexingly quick daft zebras jump.")
 NEW_TOKENS = 24
 SHIPPED = ("EAGLE3", "EAGLE", "STANDALONE")
-ALGOS = ["NGRAM", "STANDALONE"] + [f"shipped {a}" for a in SHIPPED]
+ASSISTED = ("STANDALONE + NGRAM assist", "shipped EAGLE3 + NGRAM assist")
+ALGOS = ["NGRAM", "STANDALONE"] + [f"shipped {a}" for a in SHIPPED] + list(ASSISTED)
 ENGINE_KW = {"dtype": "float32", "max_total_tokens": 8192, "context_length": 2048}
 
 
@@ -64,11 +66,14 @@ def engines(default_gguf_path, truncated_draft) -> dict[str, Engine]:
         "SELF": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": default_gguf_path,
                  "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4},
     }
+    specs["STANDALONE + NGRAM assist"] = {**specs["STANDALONE"], "speculative_ngram_assist": 4}
     from specserve.drafts import shipped_draft
 
     for algo in SHIPPED:                       # the drafts trained for the default model
         if shipped_draft(algo) is not None:
             specs["shipped " + algo] = {"speculative_algorithm": algo}
+    if shipped_draft("EAGLE3") is not None:
+        specs["shipped EAGLE3 + NGRAM assist"] = {"speculative_algorithm": "EAGLE3", "speculative_ngram_assist": 6}
     for name, kw in specs.items():
         built[name] = _always(lambda kw=kw: Engine(model_path=default_gguf_path, **ENGINE_KW, **kw))
     return built
@@ -173,6 +178,25 @@ def test_ngram_copy_heavy_accepts_a_lot(engines):
     assert meta["spec_policy"] == "always"   # SPECSERVE_SPEC_POLICY, as every engine here
     assert meta["spec_drafted_steps"] == meta["spec_verify_ct"] > 0
     assert meta["spec_drafted_steps"] + meta["spec_plain_steps"] >= 1
+
+
+@pytest.mark.parametrize("algo", ASSISTED)
+def test_ngram_assist_drafts_the_copy_and_the_draft_model_the_rest(engines, algo):
+    """Where the prompt holds what the answer copies, NGRAM's trees come first; the steps it
+    has no match for, the draft model drafts (every step drafts under ``always``)."""
+    engine = _engine_for(engines, algo)
+    worker = engine.engine.spec_worker
+    tok = engines["plain"].tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY_TEXT}]))
+    params = {"temperature": 0, "max_new_tokens": 40}
+    ngram_before, drafted_before = worker.proposer.num_ngram_trees, worker.num_drafted_steps
+    ours = _generate(engine, ids, params)
+    assert ours["output_ids"] == _plain(engines, ids, params)["output_ids"]
+    ngram, drafted = worker.proposer.num_ngram_trees - ngram_before, worker.num_drafted_steps - drafted_before
+    assert 0 < ngram < drafted, (ngram, drafted)
+    assert ours["meta_info"]["spec_accept_length"] > 2.0, ours["meta_info"]
+    assert engine.engine.get_server_info()["speculative_ngram_assist"] > 0
+    _assert_no_kv_leak(engine)
 
 
 def test_target_as_draft_accepts_every_drafted_token(engines, prompt_ids):

@@ -137,10 +137,12 @@ def test_a_folder_that_is_not_a_corpus_is_refused(tmp_path):
         read_corpus_documents(tmp_path)
 
 
-def test_the_corpus_flag_is_for_ngram_only():
+def test_the_corpus_flag_is_for_ngram_and_its_assist_only():
     with pytest.raises(ConfigError, match="--speculative-ngram-corpus"):
         ServerArgs(speculative_algorithm="EAGLE3", speculative_ngram_corpus="none")
     assert ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_corpus="none").speculative_ngram_corpus == "none"
+    args = ServerArgs(speculative_algorithm="EAGLE3", speculative_ngram_assist=4, speculative_ngram_corpus="none")
+    assert args.speculative_ngram_corpus == "none"
 
 
 def test_the_shipped_corpus_is_the_default_models_answers():

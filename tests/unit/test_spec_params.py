@@ -176,3 +176,22 @@ def test_recorded_shapes_replace_their_key_only(tmp_path, monkeypatch):
     assert drafts.measured_shape("eagle3", "cpu", torch.float32) == (3, 1, 4)
     assert drafts.measured_shape("EAGLE3", "cpu", torch.float32, "w8a8_int8") == (3, 1, 4)   # falls back
     assert len(json.loads((tmp_path / "shapes.json").read_text())["shapes"]) == 2
+
+
+def test_ngram_assist_widens_the_tree_cap_not_the_drafters_shape():
+    p = _resolve(speculative_algorithm="EAGLE3", speculative_num_steps=1, speculative_eagle_topk=1,
+                 speculative_num_draft_tokens=2, speculative_ngram_assist=6)
+    assert _shape(p) == (1, 1, 2) and p.assist_nodes == 6 and p.tree_cap == 6
+    p = _resolve(speculative_algorithm="EAGLE3", speculative_num_steps=5, speculative_eagle_topk=4,
+                 speculative_num_draft_tokens=8, speculative_ngram_assist=4)
+    assert p.tree_cap == 8
+    assert _resolve(speculative_algorithm="EAGLE3").tree_cap == _resolve(speculative_algorithm="EAGLE3").num_draft_tokens
+
+
+@pytest.mark.parametrize("kwargs", [{"speculative_algorithm": "NGRAM", "speculative_ngram_assist": 4},
+                                    {"speculative_ngram_assist": 4},
+                                    {"speculative_algorithm": "EAGLE3", "speculative_ngram_assist": 1},
+                                    {"speculative_algorithm": "EAGLE3", "speculative_ngram_assist": -2}])
+def test_ngram_assist_needs_a_draft_model_and_two_nodes(kwargs):
+    with pytest.raises(ConfigError, match="--speculative-ngram-assist"):
+        ServerArgs(**kwargs)
