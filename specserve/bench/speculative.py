@@ -105,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-corpus", default=None,
                         help="NGRAM's --speculative-ngram-corpus: a folder, none, or default (the engine's "
                              "default); comma-separated, one NGRAM run each in the same turns")
+    parser.add_argument("--ngram-assist", default=None,
+                        help="--speculative-ngram-assist values for the draft-model algorithms (0: off), "
+                             "comma-separated, one run each in the same turns (e.g. 0,4)")
     parser.add_argument("--grid", default=DEFAULT_GRID,
                         help="configurations 'steps,topk,draft_tokens;...', an entry 'ALGO:s,k,d' only for "
                              "that algorithm (NGRAM: only draft_tokens matter); default %(default)s")
@@ -141,17 +144,36 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             spec = serving.spec_kwargs(algorithm, args.draft_model_path, config.num_steps, config.topk,
                                        config.num_draft_tokens)
             label = f"{label_prefix} {config.label}" if len(names) > 1 else config.label
-            for corpus_label, corpus in _corpus_choices(args, algorithm):
-                runs.append((label + corpus_label, dict(spec, **extra, **corpus)))
+            for ngram_label, ngram in _corpus_choices(args, algorithm) + _assist_choices(args, algorithm):
+                runs.append((label + ngram_label, dict(spec, **extra, **ngram)))
     return runs
 
 
 def _corpus_choices(args: argparse.Namespace, algorithm: str) -> list[tuple[str, dict[str, str]]]:
     """[(label suffix, engine kwargs)] for each --ngram-corpus value (NGRAM only)."""
     if algorithm != "NGRAM" or not args.ngram_corpus:
-        return [("", {})]
+        return [] if _assist_values(args, algorithm) else [("", {})]
     values = [v.strip() for v in args.ngram_corpus.split(",") if v.strip()]
     return [(f" corpus={v}", {} if v == "default" else {"speculative_ngram_corpus": v}) for v in values]
+
+
+def _assist_choices(args: argparse.Namespace, algorithm: str) -> list[tuple[str, dict[str, int]]]:
+    """[(label suffix, engine kwargs)] for each --ngram-assist value (draft-model algorithms only)."""
+    return [(f" assist={n}" if n else "", {"speculative_ngram_assist": n} if n else {})
+            for n in _assist_values(args, algorithm)]
+
+
+def _assist_values(args: argparse.Namespace, algorithm: str) -> list[int]:
+    if algorithm == "NGRAM" or not args.ngram_assist:
+        return []
+    try:
+        values = [int(v) for v in args.ngram_assist.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--ngram-assist: expected integers separated by commas, got {args.ngram_assist!r}") from None
+    if not values or any(v < 0 or v == 1 for v in values):
+        raise ValueError(f"--ngram-assist: each value is 0 (off) or the n-gram trees' nodes (>= 2); got "
+                         f"{args.ngram_assist!r}")
+    return values
 
 
 def _grid_for(grid: str, name: str, is_multi: bool) -> str:

@@ -97,6 +97,20 @@ def test_speculative_algorithm_and_engine_kwargs():
                       "max_total_tokens": 999, "disable_radix_cache": False}
 
 
+def test_speculative_runs_per_ngram_corpus_and_assist_value():
+    """--ngram-corpus values apply to NGRAM, --ngram-assist values to the draft models: one run each."""
+    args = cli.parse_args(["speculative", "--algorithm", "NGRAM,EAGLE3", "--grid", "NGRAM:,,12;EAGLE3:1,1,2",
+                           "--ngram-corpus", "default,none", "--ngram-assist", "0,4"])
+    runs = speculative.plan_runs(args)
+    assert [label for label, _ in runs] == ["plain", "NGRAM d12 corpus=default", "NGRAM d12 corpus=none",
+                                            "EAGLE3 s1 k1 d2", "EAGLE3 s1 k1 d2 assist=4"]
+    assert runs[2][1]["speculative_ngram_corpus"] == "none" and "speculative_ngram_corpus" not in runs[1][1]
+    assert "speculative_ngram_assist" not in runs[3][1] and runs[4][1]["speculative_ngram_assist"] == 4
+    for bad in ("1", "x", "-2"):
+        with pytest.raises(ValueError, match="--ngram-assist"):
+            speculative.plan_runs(cli.parse_args(["speculative", "--algorithm", "EAGLE3", "--ngram-assist", bad]))
+
+
 def test_kv_tokens_needed_covers_concurrency_and_context():
     args = SimpleNamespace(context_length=256)
     assert serving.kv_tokens_needed(args, [[1] * 100, [1] * 10], 8, 32, slack_per_request=4) == 8 * 136
