@@ -3,7 +3,9 @@
 * Sampling is lossless: over thousands of seeded requests, the 2nd and 3rd
   generated tokens (the ones speculation produces: the 1st comes from prefill)
   follow the exact target marginals (chi-square), for a draft-model chain, a
-  draft-model tree and NGRAM trees; relaxed accept thresholds are detected.
+  draft-model tree, NGRAM trees and the two mixed in one batch (``--speculative-ngram-assist``:
+  NGRAM's trees where the shared cache matches, the draft model's elsewhere); relaxed accept
+  thresholds are detected.
 * Greedy speculation equals plain decoding under page_size 4, chunked prefill,
   radix reuse and requests joining and leaving, and leaks no KV.
 """
@@ -56,8 +58,10 @@ def _spec_kwargs(kind: str, draft: str) -> dict:
     if kind == "ngram":
         return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
     steps, topk, n = (2, 1, 3) if kind == "chain" else (2, 2, 4)
+    assist = {"speculative_ngram_assist": 4} if kind == "assisted" else {}
     return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": draft,
-            "speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n}
+            "speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n,
+            **assist}
 
 
 # ---- exact reference -------------------------------------------------------------------
@@ -116,12 +120,14 @@ def exact(tiny_dirs):
     return _exact_marginals(engine)
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "ngram"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "ngram", "assisted"])
 def test_sampling_matches_target_distribution(tiny_dirs, exact, kind):
     engine = _engine(tiny_dirs[0], **_spec_kwargs(kind, tiny_dirs[1]))
     second, third = _sample_tokens(engine, NUM_SAMPLES)
     info = engine.engine.get_server_info()
     histogram = info["spec_accept_histogram"]
+    if kind == "assisted":                   # both kinds of tree were verified
+        assert 0 < engine.engine.spec_worker.proposer.num_ngram_trees < sum(histogram)
     assert sum(histogram) > NUM_SAMPLES // 2, "speculation did not run"
     assert sum(histogram[1:]) > 0.1 * sum(histogram), f"too few acceptances to test anything: {histogram}"
     p2, p3 = _chi_square_pvalue(second, exact[0]), _chi_square_pvalue(third, exact[1])
@@ -210,7 +216,7 @@ def _with_preemption(engine: Engine, prompts: list[list[int]]) -> list[list[int]
     return [outputs[rid] for i, rid in enumerate(rids) if i != 3]
 
 
-@pytest.mark.parametrize("kind", ["tree", "ngram"])
+@pytest.mark.parametrize("kind", ["tree", "ngram", "assisted"])
 def test_greedy_equals_plain_with_aborts_and_retractions(tiny_dirs, kind):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB - 1, (int(n),), generator=g).tolist()
