@@ -47,6 +47,7 @@ PROPOSERS = {
     "EAGLE": ("specserve.speculative.eagle", "EagleProposer"),
     "EAGLE3": ("specserve.speculative.eagle", "EagleProposer"),
 }
+ASSISTED_PROPOSER = ("specserve.speculative.ngram_assist", "NgramAssistedProposer")
 COST_WIDTHS_REQUIRED = (1, 2, 3, 4, 16)   # 2 and 3: the verify widths of short chains, most drafting steps
 COST_WIDTHS_OPTIONAL = (8, 64, 256)
 COST_CONTEXT = 192          # tokens of context the timed forwards attend to (see measure_target_cost)
@@ -164,10 +165,9 @@ def get_proposer_class(algorithm: str) -> type[Proposer]:
 
 def create_spec_worker(ctx: ProposerContext) -> "SpecWorker":
     proposer = get_proposer_class(ctx.params.algorithm)(ctx)
-    if ctx.params.assist_nodes:
-        from specserve.speculative.ngram_assist import NgramAssistedProposer
-
-        proposer = NgramAssistedProposer(ctx, proposer)
+    if ctx.params.assist_nodes:                 # --speculative-ngram-assist: NGRAM drafts first
+        assisted = getattr(importlib.import_module(ASSISTED_PROPOSER[0]), ASSISTED_PROPOSER[1])
+        proposer = assisted(ctx, proposer, get_proposer_class("NGRAM")(ctx))
     t0 = time.perf_counter()
     curve = measure_target_cost(ctx)
     proposer.measure_cost()

@@ -18,19 +18,18 @@ trees that chat rarely accepts.
 from __future__ import annotations
 
 from specserve.speculative.base import Proposer, ProposerContext
-from specserve.speculative.ngram import NgramProposer
 from specserve.speculative.tree import DraftTree
 
 
 class NgramAssistedProposer(Proposer):
-    """NGRAM's trees where it matches, ``drafter``'s elsewhere (see the module doc)."""
+    """``ngram``'s trees where it matches, ``drafter``'s elsewhere (see the module doc); both are
+    built by the registry (``base.create_spec_worker``), so this module imports no proposer."""
 
     is_cheap = False
 
-    def __init__(self, ctx: ProposerContext, drafter: Proposer) -> None:
+    def __init__(self, ctx: ProposerContext, drafter: Proposer, ngram: Proposer) -> None:
         super().__init__(ctx)
-        self.drafter = drafter
-        self.ngram = NgramProposer(ctx)
+        self.drafter, self.ngram = drafter, ngram
         self.catches_up_lazily = drafter.catches_up_lazily       # NGRAM reads what it missed itself
         self.follows_plain_steps = drafter.follows_plain_steps
         self.num_ngram_trees = 0                                   # trees NGRAM drafted (server info)

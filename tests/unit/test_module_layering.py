@@ -1,4 +1,5 @@
-"""Import layering the design asks for: the draft head base module imports no head format."""
+"""Import layering the design asks for: the draft head base module imports no head format, and
+no proposer imports another."""
 from __future__ import annotations
 
 import ast
@@ -37,3 +38,14 @@ def test_the_registry_knows_every_format_the_reader_finds():
     from specserve.models.draft_heads import HEAD_CLASSES
 
     assert set(HEAD_CLASSES) == {"eagle", "eagle3", "nextn_deepseek", "nextn_mimo"}
+
+
+def test_no_proposer_imports_another():
+    """Proposers share only speculative/base, tree, verify (and the draft models' mirrored_draft);
+    the registry in base.py builds them, the NGRAM assist's two included."""
+    from specserve.speculative.base import ASSISTED_PROPOSER, PROPOSERS
+
+    proposers = {module for module, _ in PROPOSERS.values()} | {ASSISTED_PROPOSER[0]}
+    for module in proposers:
+        path = Path(specserve.__file__).parent / "speculative" / (module.rsplit(".", 1)[1] + ".py")
+        assert not _imported_modules(path) & (proposers - {module}), module
