@@ -174,8 +174,9 @@ def create_spec_worker(ctx: ProposerContext) -> "SpecWorker":
     policy = SpecPolicy(curve, proposer.draft_cost, ctx.params.tree_cap,
                         is_always=ctx.params.policy == "always",
                         warm_steps=0 if proposer.is_cheap else DRAFT_WARM_STEPS)
-    logger.info("speculative %s: S=%d K=%d N=%d; verify cost %s; draft cost(1)=%.1fms; speculation "
+    logger.info("speculative %s%s: S=%d K=%d N=%d; verify cost %s; draft cost(1)=%.1fms; speculation "
                 "on up to batch size %d at accept len %.1f (startup timing %.2fs)", ctx.params.algorithm,
+                f" (NGRAM first, trees of up to {ctx.params.assist_nodes} nodes)" if ctx.params.assist_nodes else "",
                 ctx.params.num_steps, ctx.params.topk, ctx.params.num_draft_tokens, curve.describe(),
                 proposer.draft_cost(1, ctx.params.num_draft_tokens) * 1e3, policy.max_batch_size(), policy.alpha,
                 time.perf_counter() - t0)
