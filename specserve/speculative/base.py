@@ -135,6 +135,10 @@ class Proposer:
         """After a plain decode step of every item: ``follows_plain_steps`` proposers implement it."""
         raise NotImplementedError(f"{type(self).__name__} follows plain steps but has no on_plain_step")
 
+    def stats(self) -> dict[str, int]:
+        """Counts of its own for ``/get_server_info``'s ``spec_policy`` (none by default)."""
+        return {}
+
     def draft_cost(self, batch_size: int, max_nodes: int) -> float:
         """Estimated seconds of one ``propose`` over ``batch_size`` requests whose largest tree
         may have ``max_nodes`` nodes; never decreasing in either (the policy's bounds rely on it)."""
@@ -383,7 +387,7 @@ class SpecWorker:
                                 "calibration": self.policy.calibration,
                                 "max_batch_size": self.policy.max_batch_size(),
                                 "request_steps_drafted": self.num_drafted_steps,
-                                "request_steps_plain": self.num_plain_steps}}
+                                "request_steps_plain": self.num_plain_steps, **self.proposer.stats()}}
 
     def request_meta(self, req) -> dict[str, Any]:
         """Per-request policy figures for ``meta_info`` (the engine merges them in)."""

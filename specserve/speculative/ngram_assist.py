@@ -32,7 +32,7 @@ class NgramAssistedProposer(Proposer):
         self.drafter, self.ngram = drafter, ngram
         self.catches_up_lazily = drafter.catches_up_lazily       # NGRAM reads what it missed itself
         self.follows_plain_steps = drafter.follows_plain_steps
-        self.num_ngram_trees = 0                                   # trees NGRAM drafted (server info)
+        self.num_ngram_trees = 0                                   # request-steps NGRAM drafted
 
     @property
     def last_switch_seconds(self) -> float:
@@ -46,9 +46,9 @@ class NgramAssistedProposer(Proposer):
         self.drafter.on_prefill(engine, items)
 
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
-        trees = self.ngram.propose(engine, items, max_nodes)
+        trees = self.ngram.propose(engine, items, [min(n, self.params.assist_nodes) for n in max_nodes])
         matched = [item for item, tree in zip(items, trees) if not tree.is_root_only]
-        if matched:
+        if matched:                    # the drafter skips them: the target writes their trees' slots
             self.num_ngram_trees += len(matched)
             self.drafter.on_skipped(engine, matched)
         rest = [i for i, tree in enumerate(trees) if tree.is_root_only]
@@ -79,3 +79,6 @@ class NgramAssistedProposer(Proposer):
 
     def measure_cost(self) -> None:
         self.drafter.measure_cost()
+
+    def stats(self) -> dict[str, int]:
+        return {"request_steps_drafted_by_ngram": self.num_ngram_trees}

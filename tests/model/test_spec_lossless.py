@@ -185,14 +185,18 @@ def test_ngram_assist_drafts_the_copy_and_the_draft_model_the_rest(engines, algo
     """Where the prompt holds what the answer copies, NGRAM's trees come first; the steps it
     has no match for, the draft model drafts (every step drafts under ``always``)."""
     engine = _engine_for(engines, algo)
-    worker = engine.engine.spec_worker
     tok = engines["plain"].tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": COPY_TEXT}]))
     params = {"temperature": 0, "max_new_tokens": 40}
-    ngram_before, drafted_before = worker.proposer.num_ngram_trees, worker.num_drafted_steps
+
+    def counts():
+        policy = engine.engine.get_server_info()["spec_policy"]
+        return policy["request_steps_drafted_by_ngram"], policy["request_steps_drafted"]
+
+    ngram_before, drafted_before = counts()
     ours = _generate(engine, ids, params)
     assert ours["output_ids"] == _plain(engines, ids, params)["output_ids"]
-    ngram, drafted = worker.proposer.num_ngram_trees - ngram_before, worker.num_drafted_steps - drafted_before
+    ngram, drafted = (after - before for after, before in zip(counts(), (ngram_before, drafted_before)))
     assert 0 < ngram < drafted, (ngram, drafted)
     assert ours["meta_info"]["spec_accept_length"] > 2.0, ours["meta_info"]
     assert engine.engine.get_server_info()["speculative_ngram_assist"] > 0
