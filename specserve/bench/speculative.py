@@ -144,35 +144,31 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             spec = serving.spec_kwargs(algorithm, args.draft_model_path, config.num_steps, config.topk,
                                        config.num_draft_tokens)
             label = f"{label_prefix} {config.label}" if len(names) > 1 else config.label
-            for ngram_label, ngram in _corpus_choices(args, algorithm) + _assist_choices(args, algorithm):
+            for ngram_label, ngram in _ngram_choices(args, algorithm):
                 runs.append((label + ngram_label, dict(spec, **extra, **ngram)))
     return runs
 
 
-def _corpus_choices(args: argparse.Namespace, algorithm: str) -> list[tuple[str, dict[str, str]]]:
-    """[(label suffix, engine kwargs)] for each --ngram-corpus value (NGRAM only)."""
-    if algorithm != "NGRAM" or not args.ngram_corpus:
-        return [] if _assist_values(args, algorithm) else [("", {})]
-    values = [v.strip() for v in args.ngram_corpus.split(",") if v.strip()]
-    return [(f" corpus={v}", {} if v == "default" else {"speculative_ngram_corpus": v}) for v in values]
+def _ngram_choices(args: argparse.Namespace, algorithm: str) -> list[tuple[str, dict[str, Any]]]:
+    """[(label suffix, engine kwargs)]: one run per --ngram-corpus value for NGRAM, per --ngram-assist
+    value for the draft-model algorithms, else the one run."""
+    if algorithm == "NGRAM" and args.ngram_corpus:
+        values = [v.strip() for v in args.ngram_corpus.split(",") if v.strip()]
+        return [(f" corpus={v}", {} if v == "default" else {"speculative_ngram_corpus": v}) for v in values]
+    if algorithm != "NGRAM" and args.ngram_assist:
+        return [(f" assist={n}" if n else "", {"speculative_ngram_assist": n} if n else {})
+                for n in _assist_values(args.ngram_assist)]
+    return [("", {})]
 
 
-def _assist_choices(args: argparse.Namespace, algorithm: str) -> list[tuple[str, dict[str, int]]]:
-    """[(label suffix, engine kwargs)] for each --ngram-assist value (draft-model algorithms only)."""
-    return [(f" assist={n}" if n else "", {"speculative_ngram_assist": n} if n else {})
-            for n in _assist_values(args, algorithm)]
-
-
-def _assist_values(args: argparse.Namespace, algorithm: str) -> list[int]:
-    if algorithm == "NGRAM" or not args.ngram_assist:
-        return []
+def _assist_values(text: str) -> list[int]:
+    """--ngram-assist's values: 0 (off) or tree sizes of at least 2."""
     try:
-        values = [int(v) for v in args.ngram_assist.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--ngram-assist: expected integers separated by commas, got {args.ngram_assist!r}") from None
+        raise ValueError(f"--ngram-assist: expected integers separated by commas, got {text!r}") from None
     if not values or any(v < 0 or v == 1 for v in values):
-        raise ValueError(f"--ngram-assist: each value is 0 (off) or the n-gram trees' nodes (>= 2); got "
-                         f"{args.ngram_assist!r}")
+        raise ValueError(f"--ngram-assist: each value is 0 (off) or the n-gram trees' nodes (>= 2); got {text!r}")
     return values
 
 
