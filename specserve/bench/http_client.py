@@ -78,9 +78,18 @@ def server_process(server_args: list[str], threads: int | None, log_path: Path) 
         env["OMP_NUM_THREADS"] = str(threads)
     command = [sys.executable, "-m", "specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning", *server_args]
+    with serve(command, env, port, log_path) as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def serve(command: list[str], env: dict[str, str], port: int, log_path: Path) -> Iterator[str]:
+    """Runs ``command`` (a server listening on loopback ``port``) in a process group of its own
+    until its ``/health`` answers 200; yields its base URL, then sends it SIGTERM and waits for it
+    (the whole group is killed if it has not exited within a minute)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         base_url = f"http://127.0.0.1:{port}"
         try:
             _wait_until_healthy(process, base_url, log_path)
@@ -90,7 +99,7 @@ def server_process(server_args: list[str], threads: int | None, log_path: Path) 
             try:
                 process.wait(60)
             except subprocess.TimeoutExpired:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 
 

@@ -245,8 +245,8 @@ def plot_serving(result: dict[str, Any], path: str | os.PathLike) -> Path | None
 
 
 def plot_http(result: dict[str, Any], path: str | os.PathLike) -> Path | None:
-    """Left: streamed output tokens/s against clients (batch-1 offline Engine and llama.cpp as
-    horizontal lines). Right: median and p99 of TTFT and inter-token latency (ms)."""
+    """Left: streamed output tokens/s against clients, ours and vLLM's where it ran (batch-1 offline
+    Engine and llama.cpp as horizontal lines). Right: median and p99 of TTFT and inter-token latency (ms)."""
     levels = [lv for lv in result.get("http", []) if lv["stream"]]
     if not levels:
         return None
@@ -254,6 +254,10 @@ def plot_http(result: dict[str, Any], path: str | os.PathLike) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     clients = [lv["concurrency"] for lv in levels]
     axes[0].plot(clients, [lv["output_tokens_per_s"] for lv in levels], marker="o", label="HTTP server")
+    vllm = (result.get("vllm") or {}).get("http") or []
+    if vllm:
+        axes[0].plot([lv["concurrency"] for lv in vllm], [lv["output_tokens_per_s"] for lv in vllm], marker="^",
+                     label=f"vLLM {result['vllm'].get('dtype')}, HTTP", color="C2")
     for name, key in (("offline Engine, batch 1", "offline"), ("llama.cpp, batch 1", "llama_cpp")):
         rate = (result.get(key) or {}).get("request_tokens_per_s_median")
         if rate:

@@ -45,3 +45,37 @@ def test_non_streamed_requests_and_percentiles(fake_server: RunningServer) -> No
     assert abs(percentile([1.0, 2.0, 3.0], 99) - 2.98) < 1e-12
     figures = level_figures(1, False, records, wall, None)
     assert figures["num_differing_from_solo"] is None and figures["itl_median_s"] != figures["itl_median_s"]
+
+
+HEALTH_SERVER = """
+import http.server, os, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(str(os.getpid()).encode())
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_peer_server_is_awaited_then_stopped(tmp_path) -> None:
+    """``serve`` (how bench http starts ours and vLLM's): yields once ``/health`` answers, and the
+    process is gone afterwards; a server that exits first is an error carrying its log."""
+    import os
+    import sys
+
+    import httpx
+    import pytest
+
+    script = tmp_path / "health.py"
+    script.write_text(HEALTH_SERVER)
+    port = hc.free_port()
+    with hc.serve([sys.executable, str(script), str(port)], dict(os.environ), port, tmp_path / "log") as url:
+        pid = int(httpx.get(f"{url}/health").text)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="exited"):
+        with hc.serve([sys.executable, "-c", "print('no model'); raise SystemExit(3)"], dict(os.environ), port,
+                      tmp_path / "log2"):
+            pass
+    assert "no model" in (tmp_path / "log2").read_text()

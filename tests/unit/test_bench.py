@@ -452,3 +452,70 @@ def test_verify_cost_profile_refuses_the_cpu_clock(capsys, tmp_path):
     assert bench_main(["verify-cost", "--profile", "--clock", "cpu", "--widths", "1",
                        "--model-path", str(tmp_path)]) == 2
     assert "error: --profile splits wall-clock time" in capsys.readouterr().err
+
+
+# ---- vLLM beside bench http ---------------------------------------------------------------------
+
+def test_vllm_peer_is_skipped_with_a_reason_and_launched_on_the_bench_threads(tmp_path):
+    """No ``--vllm-python``, or one that is missing: skipped, saying why. Given one, vLLM's server
+    answers to the bench's model name on loopback, its CPU worker bound to cores 0..threads-1
+    with none held back, the venv's Intel OpenMP preloaded where it has one."""
+    from specserve.bench import vllm_peer
+
+    assert "--vllm-python" in vllm_peer.skip_reason(None)
+    assert "no such file" in vllm_peer.skip_reason(str(tmp_path / "missing"))
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    assert vllm_peer.skip_reason(str(python)) is None
+    cmd = vllm_peer.command(str(python), tmp_path / "hf", 4321, 2048, "bfloat16", ["--no-enable-prefix-caching"])
+    assert cmd[:3] == [str(python), "-m", vllm_peer.SERVER_MODULE]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--served-model-name"] == "default" and flags["--port"] == "4321"
+    assert flags["--host"] == "127.0.0.1" and flags["--dtype"] == "bfloat16" and flags["--max-model-len"] == "2048"
+    assert cmd[-1] == "--no-enable-prefix-caching"
+    env = vllm_peer.environment(str(python), 2, base={"PATH": "/bin"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["PATH"] == "/bin" and "LD_PRELOAD" not in env
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / "libiomp5.so").write_text("")
+    env = vllm_peer.environment(str(python), 1, base={"LD_PRELOAD": "/x.so"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    assert env["LD_PRELOAD"] == f"{tmp_path / 'venv' / 'lib' / 'libiomp5.so'} /x.so"
+
+
+def test_vllm_peer_exports_the_model_once(tmp_path, monkeypatch):
+    from specserve.bench import vllm_peer
+    from specserve.loading import export
+
+    written = []
+
+    def fake_export(model_path, out_dir, dtype):
+        written.append((model_path, dtype))
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "model.safetensors").write_text("")
+
+    monkeypatch.setattr(export, "export_hf_dir", fake_export)
+    first = vllm_peer.exported_model("/models/m.Q4_1.gguf", "bfloat16", tmp_path)
+    assert vllm_peer.exported_model("/models/m.Q4_1.gguf", "bfloat16", tmp_path) == first
+    assert first == tmp_path / "m.Q4_1.gguf-hf-bfloat16"
+    import torch
+    assert written == [("/models/m.Q4_1.gguf", torch.bfloat16)]
+
+
+def test_bench_http_sets_ours_over_vllms_per_level():
+    """Batch 1 by tokens/s per request, above it by output tokens/s; levels only one side ran are left out."""
+    from specserve.bench import http, vllm_peer
+
+    def level(clients, per_request, total):
+        return {"concurrency": clients, "stream": True, "request_tokens_per_s_median": per_request,
+                "output_tokens_per_s": total, "itl_p99_s": 2.0, "itl_median_s": 1.0}
+
+    result = {"http": [level(1, 200.0, 190.0), level(16, 30.0, 600.0), level(32, 20.0, 640.0)],
+              "vllm": {"http": [level(1, 50.0, 48.0), level(16, 10.0, 150.0), level(64, 5.0, 300.0)]}}
+    summary = http.summarize(result)
+    assert summary["http_stream_vs_vllm"] == 4.0 and summary["throughput_c16_vs_vllm"] == 4.0
+    assert "throughput_c32_vs_vllm" not in summary and "throughput_c64_vs_vllm" not in summary
+    args = cli.parse_args(["http"])
+    assert args.vllm_python is None and args.vllm_dtype == "bfloat16"
+    assert http.vllm_run(args, [[1, 2]], [3]) == {"skipped": vllm_peer.skip_reason(None)}
