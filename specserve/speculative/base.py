@@ -101,6 +101,11 @@ class Proposer:
     ``follows_plain_steps``: such a step can be the plain decode step for this proposer too;
     it then gets ``on_plain_step``, which such a proposer implements (EAGLE heads read the
     step's target features there).
+    ``proposes_in_two_parts``: a cheap part first (``propose_first``: a tree, or None where the
+    other part would draft), then the costly part (``propose_rest``, within ``rest_cap``) for the
+    requests the policy picks among the rest; the worker then weighs the cheap part's trees at their
+    real sizes, each against the request's acceptance of that part's trees (``tree_kind``:
+    ``RequestPolicyState.use_counts_of``). The NGRAM assist (``ngram_assist.py``) is one.
     ``last_switch_seconds``: set by proposers whose draft catches up on the positions it missed
     (EAGLE heads, draft models; ``catch_up_share``): the share of the catch-up forward spent on
     positions beyond what a verify leaves (``num_draft_tokens`` a request), i.e. on plain steps'
@@ -110,6 +115,7 @@ class Proposer:
     is_cheap = False
     catches_up_lazily = False
     follows_plain_steps = False
+    proposes_in_two_parts = False
     last_switch_seconds = 0.0  # of the last ``propose``: catching up on plain steps' positions
 
     def __init__(self, ctx: ProposerContext) -> None:
@@ -134,6 +140,10 @@ class Proposer:
     def on_plain_step(self, engine, items: list) -> None:
         """After a plain decode step of every item: ``follows_plain_steps`` proposers implement it."""
         raise NotImplementedError(f"{type(self).__name__} follows plain steps but has no on_plain_step")
+
+    def tree_kind(self, item) -> str:
+        """Whose tree ``item`` verified this step, for its acceptance counts (one kind by default)."""
+        return ""
 
     def stats(self) -> dict[str, int]:
         """Counts of its own for ``/get_server_info``'s ``spec_policy`` (none by default)."""
@@ -279,12 +289,16 @@ class SpecWorker:
         """One tree per item: the proposer's for the requests the policy picks, root-only otherwise;
         None where every item decodes plainly and the proposer ``takes_plain_steps`` (no trees made:
         most steps of a busy server)."""
-        self.proposer.last_switch_seconds = 0.0
+        proposer = self.proposer
+        proposer.last_switch_seconds = 0.0
         caps = [max_tree_nodes(engine, item, self.params.tree_cap) for item in items]
         states = [spec_state(item.req).policy for item in items]
+        if proposer.proposes_in_two_parts and self._proposing_first_is_cheap(len(items), max(caps),
+                                                                              proposer.first_cost):
+            return self._plan_in_two_parts(engine, items, caps, states)
         proposed = None
-        if self.proposer.is_cheap and self._proposing_first_is_cheap(len(items), max(caps)):
-            proposed = self.proposer.propose(engine, items, caps)
+        if proposer.is_cheap and self._proposing_first_is_cheap(len(items), max(caps)):
+            proposed = proposer.propose(engine, items, caps)
             if all(t.is_root_only for t in proposed):     # nothing matched: no weighing
                 self.policy.select(states, [1] * len(items), [0] * len(items))
                 return None if self.takes_plain_steps else proposed
@@ -313,21 +327,54 @@ class SpecWorker:
             self.proposer.on_skipped(engine, skipped)
         return [next(drafted) if n > 1 else root_only(item.req.last_id) for item, n in zip(items, sizes)]
 
+    def _plan_in_two_parts(self, engine, items: list, caps: list[int], states: list) -> list[DraftTree] | None:
+        """``_plan`` for a proposer that ``proposes_in_two_parts``: its cheap trees for every request
+        first, weighed at their real sizes (as a cheap proposer's), the costly part's for the rest at
+        its cap; each request against its acceptance of the kind of tree it would verify. The costly
+        part then drafts for the requests picked among the rest; every other request skips it."""
+        proposer, bs = self.proposer, len(items)
+        first = proposer.propose_first(engine, items, caps)
+        for state, tree in zip(states, first):
+            state.use_counts_of(proposer.first_kind if tree is not None else proposer.rest_kind)
+        nodes = [tree.num_nodes if tree is not None else proposer.rest_cap(cap) for tree, cap in zip(first, caps)]
+        depths = [tree.depth if tree is not None else proposer.max_depth(n) for tree, n in zip(first, nodes)]
+        can_pick = self.policy.may_pick_any(states, nodes, depths)
+        if can_pick:                                  # size each tree to the request's acceptance
+            nodes = [self.policy.preferred_nodes(state, n, bs, proposer.max_depth) for state, n in zip(states, nodes)]
+            first = [truncate_tree(tree, n) if tree is not None else None for tree, n in zip(first, nodes)]
+            nodes = [tree.num_nodes if tree is not None else n for tree, n in zip(first, nodes)]
+            depths = [tree.depth if tree is not None else proposer.max_depth(n) for tree, n in zip(first, nodes)]
+        sizes = _take_tree_slots(engine, items, self.policy.select(states, nodes, depths, can_pick))
+        rest = [i for i, (tree, n) in enumerate(zip(first, sizes)) if tree is None and n > 1]
+        drafted = proposer.propose_rest(engine, [items[i] for i in rest], [sizes[i] for i in rest]) if rest else []
+        drafting = set(rest)
+        skipped = [item for i, item in enumerate(items) if i not in drafting]
+        if skipped:
+            proposer.on_skipped(engine, skipped)
+        if max(sizes) == 1 and self.takes_plain_steps:
+            return None
+        trees = [truncate_tree(tree, n) if tree is not None and n > 1 else root_only(item.req.last_id)
+                 for item, tree, n in zip(items, first, sizes)]
+        for i, tree in zip(rest, drafted):
+            trees[i] = tree
+        return trees
+
     def _depth_caps(self, caps: list[int]) -> list[int]:
         """The proposer's ``max_depth`` of each cap (asked once per distinct cap)."""
         depth_of = {cap: self.proposer.max_depth(cap) for cap in set(caps)}
         return [depth_of[cap] for cap in caps]
 
-    def _proposing_first_is_cheap(self, batch_size: int, max_nodes: int) -> bool:
-        """Whether a cheap proposer may propose for every request at the full cap before the
-        policy weighs anything (the trees are cut to its sizes afterwards): when that costs at
-        most PROPOSE_FIRST_SHARE of a plain step. Then a step where nothing matches (most steps
-        of a chat answer with NGRAM) skips the policy's bounds and weighing: a declined NGRAM
-        step cost 0.3-0.4 ms more than a plain one on a Zen3, ~0.1 ms after this and the one
-        native call per match. On a busy server, where matching everyone would cost more, the
-        policy's bounds come first."""
-        plain_step = self.policy.cost(batch_size, batch_size, 1, 0)
-        return self.proposer.draft_cost(batch_size, max_nodes) <= PROPOSE_FIRST_SHARE * plain_step
+    def _proposing_first_is_cheap(self, batch_size: int, max_nodes: int,
+                                  cost: Callable[[int, int], float] | None = None) -> bool:
+        """Whether a cheap proposer (or a two-part one's ``first_cost``: ``cost``) may propose for
+        every request at the full cap before the policy weighs anything (the trees are cut to its
+        sizes afterwards): when that costs at most PROPOSE_FIRST_SHARE of a plain step. Then a
+        step where nothing matches (most steps of a chat answer with NGRAM) skips the policy's
+        bounds and weighing: a declined NGRAM step cost 0.3-0.4 ms more than a plain one on a
+        Zen3, ~0.1 ms after this and the one native call per match. On a busy server, where
+        matching everyone would cost more, the policy's bounds come first."""
+        seconds = (cost or self.proposer.draft_cost)(batch_size, max_nodes)
+        return seconds <= PROPOSE_FIRST_SHARE * self.policy.cost(batch_size, batch_size, 1, 0)
 
     def _propose_cheap(self, engine, items: list, caps: list[int], depth_caps: list[int], states: list,
                        can_pick: bool) -> list[DraftTree]:
@@ -359,7 +406,9 @@ class SpecWorker:
             engine.stats.spec_accepted_tokens += res.accept_len
             self.accept_histogram[res.accept_len] += 1
             self.num_draft_tokens_verified += tree.num_nodes - 1
-            self.policy.observe(spec_state(req).policy, res.accept_len, tree.depth)
+            state = spec_state(req).policy
+            state.use_counts_of(self.proposer.tree_kind(item))
+            self.policy.observe(state, res.accept_len, tree.depth)
 
     def _count_steps(self, items: list, trees: list[DraftTree]) -> None:
         for item, tree in zip(items, trees):

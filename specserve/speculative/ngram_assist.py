@@ -23,9 +23,13 @@ from specserve.speculative.tree import DraftTree
 
 class NgramAssistedProposer(Proposer):
     """``ngram``'s trees where it matches, ``drafter``'s elsewhere (see the module doc); both are
-    built by the registry (``base.create_spec_worker``), so this module imports no proposer."""
+    built by the registry (``base.create_spec_worker``), so this module imports no proposer.
+    It proposes in two parts (``Proposer.proposes_in_two_parts``): NGRAM's trees first, then the
+    draft model's for the requests the policy picks among those NGRAM had nothing for."""
 
     is_cheap = False
+    proposes_in_two_parts = True
+    first_kind, rest_kind = "ngram", "draft"
 
     def __init__(self, ctx: ProposerContext, drafter: Proposer, ngram: Proposer) -> None:
         super().__init__(ctx)
@@ -33,6 +37,7 @@ class NgramAssistedProposer(Proposer):
         self.catches_up_lazily = drafter.catches_up_lazily       # NGRAM reads what it missed itself
         self.follows_plain_steps = drafter.follows_plain_steps
         self.num_ngram_trees = 0                                   # request-steps NGRAM drafted
+        self.ngram_rids: set[str] = set()                          # the requests NGRAM matched last
 
     @property
     def last_switch_seconds(self) -> float:
@@ -46,18 +51,36 @@ class NgramAssistedProposer(Proposer):
         self.drafter.on_prefill(engine, items)
 
     def propose(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
-        trees = self.ngram.propose(engine, items, [min(n, self.params.assist_nodes) for n in max_nodes])
-        matched = [item for item, tree in zip(items, trees) if not tree.is_root_only]
+        """Both parts in one call (the worker's path where matching everyone first costs too much)."""
+        first = self.propose_first(engine, items, max_nodes)
+        matched = [item for item, tree in zip(items, first) if tree is not None]
         if matched:                    # the drafter skips them: the target writes their trees' slots
-            self.num_ngram_trees += len(matched)
             self.drafter.on_skipped(engine, matched)
-        rest = [i for i, tree in enumerate(trees) if tree.is_root_only]
+        rest = [i for i, tree in enumerate(first) if tree is None]
         if rest:
-            drafted = self.drafter.propose(engine, [items[i] for i in rest],
-                                           [min(max_nodes[i], self.drafter.params.num_draft_tokens) for i in rest])
+            drafted = self.propose_rest(engine, [items[i] for i in rest], [max_nodes[i] for i in rest])
             for i, tree in zip(rest, drafted):
-                trees[i] = tree
-        return trees
+                first[i] = tree
+        return first
+
+    def propose_first(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree | None]:
+        """NGRAM's tree for each request (at most the assist's size), None where it matched nothing."""
+        trees = self.ngram.propose(engine, items, [min(n, self.params.assist_nodes) for n in max_nodes])
+        self.ngram_rids = {item.req.rid for item, tree in zip(items, trees) if not tree.is_root_only}
+        return [None if tree.is_root_only else tree for tree in trees]
+
+    def first_cost(self, batch_size: int, max_nodes: int) -> float:
+        return self.ngram.draft_cost(batch_size, min(max_nodes, self.params.assist_nodes))
+
+    def rest_cap(self, max_nodes: int) -> int:
+        """The draft model's tree size within ``max_nodes``: its own N at most."""
+        return min(max_nodes, self.drafter.params.num_draft_tokens)
+
+    def propose_rest(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
+        return self.drafter.propose(engine, items, [self.rest_cap(n) for n in max_nodes])
+
+    def tree_kind(self, item) -> str:
+        return self.first_kind if item.req.rid in self.ngram_rids else self.rest_kind
 
     def on_skipped(self, engine, items: list) -> None:
         self.drafter.on_skipped(engine, items)
@@ -67,6 +90,8 @@ class NgramAssistedProposer(Proposer):
         self.drafter.on_verified(engine, items, emitted)
 
     def on_accepted(self, engine, items: list, trees: list[DraftTree], results: list) -> None:
+        self.num_ngram_trees += sum(not tree.is_root_only and item.req.rid in self.ngram_rids
+                                    for item, tree in zip(items, trees))
         self.drafter.on_accepted(engine, items, trees, results)
 
     def on_plain_step(self, engine, items: list) -> None:
@@ -74,8 +99,7 @@ class NgramAssistedProposer(Proposer):
 
     def draft_cost(self, batch_size: int, max_nodes: int) -> float:
         """The draft model's for every request (where NGRAM matched, less) plus NGRAM's matching."""
-        drafter_nodes = min(max_nodes, self.drafter.params.num_draft_tokens)
-        return self.drafter.draft_cost(batch_size, drafter_nodes) + self.ngram.draft_cost(batch_size, max_nodes)
+        return self.drafter.draft_cost(batch_size, self.rest_cap(max_nodes)) + self.first_cost(batch_size, max_nodes)
 
     def measure_cost(self) -> None:
         self.drafter.measure_cost()

@@ -185,10 +185,22 @@ class RequestPolicyState:
     num_drafted_steps: int = 0      # decode steps whose tree carried drafts
     num_plain_steps: int = 0        # decode steps decoded plainly (declined, or nothing to draft)
     num_drafting_in_row: int = 0    # consecutive decode steps with a draft, up to the last select's
+    kind: str = ""                  # whose trees ``accepted`` and ``rejected`` count (``use_counts_of``)
+    other_counts: dict[str, tuple[float, float]] = field(default_factory=dict)   # the other kinds'
 
     @property
     def has_history(self) -> bool:
         return self.accepted + self.rejected > 0.0
+
+    def use_counts_of(self, kind: str) -> None:
+        """Let ``accepted`` and ``rejected`` count the verifies of ``kind``'s trees from here on (the
+        NGRAM assist: NGRAM's trees on copying, the draft model's chains elsewhere, accept at
+        rates far apart), keeping the current kind's counts aside. The step counters stay shared."""
+        if kind == self.kind:
+            return
+        self.other_counts[self.kind] = (self.accepted, self.rejected)
+        self.accepted, self.rejected = self.other_counts.pop(kind, (0.0, 0.0))
+        self.kind = kind
 
 
 class StepCost:

@@ -3,11 +3,14 @@ the draft model proposes only for the requests NGRAM had nothing for, within its
 learns which requests it skipped; every hook after verification reaches the proposer it is for."""
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
-from specserve.speculative.base import Proposer
+from specserve.speculative.base import Proposer, SpecWorker
 from specserve.speculative.ngram_assist import NgramAssistedProposer
 from specserve.speculative.params import SpecParams
+from specserve.speculative.policy import CostCurve, RequestPolicyState, SpecPolicy
+from specserve.speculative.state import RequestSpecState
 from specserve.speculative.tree import DraftTree, chain, root_only
 
 
@@ -35,7 +38,9 @@ class Recorder(Proposer):
         self.calls.append(("accepted", [i.req.rid for i in items]))
 
     def draft_cost(self, batch_size, max_nodes):
-        return batch_size * max_nodes * 1e-3
+        return batch_size * max_nodes * self.seconds_per_node
+
+    seconds_per_node = 1e-3
 
 
 def _item(rid: str, last: int):
@@ -54,10 +59,71 @@ def test_ngram_first_within_its_size_and_the_draft_model_for_the_rest():
     assert ngram.calls == [("propose", ["a", "b", "c"], [3, 3, 2])]          # the assist's size caps NGRAM
     assert drafter.calls == [("skipped", ["a", "c"]), ("propose", ["b"], [2])]  # the drafter's own N caps it
     assert [t.token_list() for t in trees] == [[1, 4, 5], [2, 7], [3, 8]]
-    assert assisted.stats() == {"request_steps_drafted_by_ngram": 2}
     assert assisted.follows_plain_steps and not assisted.catches_up_lazily and not assisted.is_cheap
     assisted.on_verified(None, items, [[4], [7], [8]])
     assisted.on_accepted(None, items, trees, [])
+    assert assisted.stats() == {"request_steps_drafted_by_ngram": 2}
+    assert [assisted.tree_kind(item) for item in items] == ["ngram", "draft", "ngram"]
     assert ngram.calls[-1] == ("verified", ["a", "b", "c"])                   # NGRAM's cache learns every token
     assert drafter.calls[-2:] == [("verified", ["a", "b", "c"]), ("accepted", ["a", "b", "c"])]
-    assert assisted.draft_cost(4, 6) == drafter.draft_cost(4, 2) + ngram.draft_cost(4, 6)
+    assert assisted.draft_cost(4, 6) == drafter.draft_cost(4, 2) + ngram.draft_cost(4, 3)
+
+
+class TreeSlots:
+    """The scheduler's ``extend_decode`` on an endless pool."""
+
+    def extend_decode(self, item, num):
+        item.new_slots.extend(range(100, 100 + num))
+        return True
+
+
+def _request(rid: str, last: int, kind: str, counts: dict[str, tuple[float, float]]):
+    """A decoding request whose acceptance counts of each kind of tree are ``counts``, ``kind``'s active."""
+    accepted, rejected = counts[kind]
+    state = RequestPolicyState(accepted=accepted, rejected=rejected, kind=kind, backoff=64,   # no probe due
+                               other_counts={k: v for k, v in counts.items() if k != kind})
+    req = SimpleNamespace(rid=rid, last_id=last, output_ids=[1, last], input_ids=[1] * 10, seq_len=12,
+                          sampling=SimpleNamespace(max_new_tokens=64), spec_state=RequestSpecState(policy=state))
+    return SimpleNamespace(req=req, new_slots=[0])
+
+
+def test_the_worker_weighs_ngrams_trees_and_the_draft_models_each_against_their_own_acceptance():
+    """Planned in two parts: NGRAM's trees for every request first, at their real sizes; each request
+    weighed with its counts of the kind of tree it would verify (``a`` accepts NGRAM's trees and not
+    the head's, ``b`` the other way round: under the counts it held last, neither would draft). The
+    draft model drafts for ``b`` alone and skips ``a``; verifying counts each kind apart."""
+    params = SpecParams("EAGLE3", 1, 1, 2, assist_nodes=8)
+    drafter = Recorder(SpecParams("EAGLE3", 1, 1, 2), {"b": chain([2, 7])}, follows_plain_steps=True)
+    ngram = Recorder(SpecParams("NGRAM", 0, 0, 12), {"a": chain([1, 4, 5, 6]), "b": root_only(2)})
+    ngram.seconds_per_node = 1e-7                   # matching everyone first is cheap
+    assisted = NgramAssistedProposer(SimpleNamespace(params=params), drafter, ngram)
+    policy = SpecPolicy(CostCurve([1, 4, 16], [5e-3, 6e-3, 20e-3]), lambda k, n: 1e-4 * k, num_draft_tokens=8)
+    worker = SpecWorker(params, assisted, policy)
+    good, bad = (20.0, 0.0), (0.0, 20.0)
+    items = [_request("a", 1, "draft", {"ngram": good, "draft": bad}),
+             _request("b", 2, "ngram", {"ngram": bad, "draft": good})]
+    control = copy.deepcopy(policy).select([copy.deepcopy(i.req.spec_state.policy) for i in items], [4, 2], [3, 1])
+    assert control == [1, 1]
+    engine = SimpleNamespace(context_len=4096, scheduler=TreeSlots())
+    trees = worker._plan(engine, items)
+    assert [t.token_list() for t in trees] == [[1, 4, 5, 6], [2, 7]]
+    assert drafter.calls == [("propose", ["b"], [2]), ("skipped", ["a"])]
+    states = [item.req.spec_state.policy for item in items]
+    assert [(s.kind, s.accepted, s.rejected) for s in states] == [("ngram", *good), ("draft", *good)]
+    worker._record(SimpleNamespace(stats=SimpleNamespace(spec_verify_ct=0, spec_accepted_tokens=0)),
+                   [SimpleNamespace(req=SimpleNamespace(**vars(i.req), spec_verify_ct=0, spec_accepted_tokens=0))
+                    for i in items], trees, [SimpleNamespace(accept_len=0), SimpleNamespace(accept_len=1)])
+    assert states[0].kind == "ngram" and states[0].rejected > good[1]          # a's NGRAM tree failed
+    assert states[0].other_counts["draft"] == bad and states[1].other_counts["ngram"] == bad
+
+
+def test_a_requests_counts_of_each_kind_are_kept_apart():
+    state = RequestPolicyState(accepted=3.0, rejected=1.0, num_skipped=2)
+    state.use_counts_of("ngram")
+    assert (state.accepted, state.rejected, state.has_history) == (0.0, 0.0, False)
+    state.accepted = 5.0
+    state.use_counts_of("ngram")
+    assert state.accepted == 5.0
+    state.use_counts_of("")
+    assert (state.accepted, state.rejected, state.kind, state.num_skipped) == (3.0, 1.0, "", 2)
+    assert state.other_counts == {"ngram": (5.0, 0.0)}
