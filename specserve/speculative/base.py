@@ -329,13 +329,21 @@ class SpecWorker:
 
     def _plan_in_two_parts(self, engine, items: list, caps: list[int], states: list) -> list[DraftTree] | None:
         """``_plan`` for a proposer that ``proposes_in_two_parts``: its cheap trees for every request
-        first, weighed at their real sizes (as a cheap proposer's), the costly part's for the rest at
-        its cap; each request against its acceptance of the kind of tree it would verify. The costly
-        part then drafts for the requests picked among the rest; every other request skips it."""
+        first; a request with one takes it or the costly part's chain, whichever promises more at its
+        acceptance of each (``SpecPolicy.pick_kind``). The cheap trees are weighed at their real sizes
+        (as a cheap proposer's), the costly part's at its cap, each request against its acceptance of
+        the kind of tree it would verify. The costly part then drafts for the requests picked among
+        the rest; every other request skips it."""
         proposer, bs = self.proposer, len(items)
         first = proposer.propose_first(engine, items, caps)
-        for state, tree in zip(states, first):
-            state.use_counts_of(proposer.first_kind if tree is not None else proposer.rest_kind)
+        for i, (state, tree) in enumerate(zip(states, first)):
+            if tree is None:
+                state.use_counts_of(proposer.rest_kind)
+                continue
+            rest_depth = proposer.max_depth(proposer.rest_cap(caps[i]))
+            if self.policy.pick_kind(state, {proposer.first_kind: tree.depth,
+                                             proposer.rest_kind: rest_depth}) != proposer.first_kind:
+                first[i] = None                       # the costly part's chain promises more
         nodes = [tree.num_nodes if tree is not None else proposer.rest_cap(cap) for tree, cap in zip(first, caps)]
         depths = [tree.depth if tree is not None else proposer.max_depth(n) for tree, n in zip(first, nodes)]
         can_pick = self.policy.may_pick_any(states, nodes, depths)

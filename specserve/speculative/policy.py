@@ -415,6 +415,26 @@ class SpecPolicy:
         return ((state.accepted + PRIOR_WEIGHT * self.global_rate)
                 / (state.accepted + state.rejected + PRIOR_WEIGHT))
 
+    def pick_kind(self, state: RequestPolicyState, depths: dict[str, int]) -> str:
+        """Of the kinds of tree a request could verify this step (kind -> the tree's depth), the one
+        whose calibrated expected extra tokens, at the request's acceptance of that kind's trees,
+        are the most (the first named on ties); its counts are left active. The other kinds' counts
+        decay as a verify's would (REQUEST_DECAY): their estimates come back towards the global
+        rate, so a kind left aside is tried again after a few steps (a request whose answer starts
+        copying after NGRAM's trees failed on its first sentences)."""
+        best, best_extra = "", -1.0
+        for kind, depth in depths.items():
+            state.use_counts_of(kind)
+            extra = self.calibration * (expected_tokens(self.rate(state), depth) - 1.0)
+            if extra > best_extra:
+                best, best_extra = kind, extra
+        for kind in depths:
+            if kind != best:
+                state.use_counts_of(kind)
+                state.accepted, state.rejected = REQUEST_DECAY * state.accepted, REQUEST_DECAY * state.rejected
+        state.use_counts_of(best)
+        return best
+
     def preferred_nodes(self, state: RequestPolicyState, cap: int, bs: int,
                         depth_of: Callable[[int], int]) -> int:
         """The tree size (2..cap nodes) that makes this request's step most productive:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from specserve.speculative.base import Proposer, SpecWorker
 from specserve.speculative.ngram_assist import NgramAssistedProposer
 from specserve.speculative.params import SpecParams
-from specserve.speculative.policy import CostCurve, RequestPolicyState, SpecPolicy
+from specserve.speculative.policy import REQUEST_DECAY, CostCurve, RequestPolicyState, SpecPolicy
 from specserve.speculative.state import RequestSpecState
 from specserve.speculative.tree import DraftTree, chain, root_only
 
@@ -90,31 +90,40 @@ def _request(rid: str, last: int, kind: str, counts: dict[str, tuple[float, floa
 def test_the_worker_weighs_ngrams_trees_and_the_draft_models_each_against_their_own_acceptance():
     """Planned in two parts: NGRAM's trees for every request first, at their real sizes; each request
     weighed with its counts of the kind of tree it would verify (``a`` accepts NGRAM's trees and not
-    the head's, ``b`` the other way round: under the counts it held last, neither would draft). The
-    draft model drafts for ``b`` alone and skips ``a``; verifying counts each kind apart."""
+    the head's, ``b`` and ``c`` the other way round: under the counts they held last, none would
+    draft). ``c``'s NGRAM tree promises less than the head's chain: the head drafts for ``b`` and
+    ``c``, and the counts of the kind each left aside decay. Verifying counts each kind apart."""
     params = SpecParams("EAGLE3", 1, 1, 2, assist_nodes=8)
-    drafter = Recorder(SpecParams("EAGLE3", 1, 1, 2), {"b": chain([2, 7])}, follows_plain_steps=True)
-    ngram = Recorder(SpecParams("NGRAM", 0, 0, 12), {"a": chain([1, 4, 5, 6]), "b": root_only(2)})
+    drafter = Recorder(SpecParams("EAGLE3", 1, 1, 2), {"b": chain([2, 7]), "c": chain([3, 9])},
+                       follows_plain_steps=True)
+    ngram = Recorder(SpecParams("NGRAM", 0, 0, 12), {"a": chain([1, 4, 5, 6]), "b": root_only(2),
+                                                     "c": chain([3, 8, 8])})
     ngram.seconds_per_node = 1e-7                   # matching everyone first is cheap
     assisted = NgramAssistedProposer(SimpleNamespace(params=params), drafter, ngram)
     policy = SpecPolicy(CostCurve([1, 4, 16], [5e-3, 6e-3, 20e-3]), lambda k, n: 1e-4 * k, num_draft_tokens=8)
     worker = SpecWorker(params, assisted, policy)
     good, bad = (20.0, 0.0), (0.0, 20.0)
     items = [_request("a", 1, "draft", {"ngram": good, "draft": bad}),
-             _request("b", 2, "ngram", {"ngram": bad, "draft": good})]
-    control = copy.deepcopy(policy).select([copy.deepcopy(i.req.spec_state.policy) for i in items], [4, 2], [3, 1])
-    assert control == [1, 1]
+             _request("b", 2, "ngram", {"ngram": bad, "draft": good}),
+             _request("c", 3, "ngram", {"ngram": bad, "draft": good})]
+    control = copy.deepcopy(policy).select([copy.deepcopy(i.req.spec_state.policy) for i in items],
+                                           [4, 2, 3], [3, 1, 2])
+    assert control == [1, 1, 1]
     engine = SimpleNamespace(context_len=4096, scheduler=TreeSlots())
     trees = worker._plan(engine, items)
-    assert [t.token_list() for t in trees] == [[1, 4, 5, 6], [2, 7]]
-    assert drafter.calls == [("propose", ["b"], [2]), ("skipped", ["a"])]
+    assert [t.token_list() for t in trees[1:]] == [[2, 7], [3, 9]]
+    assert trees[0].num_nodes > 2 and trees[0].token_list() == [1, 4, 5, 6][:trees[0].num_nodes]  # sized by the policy
+    assert drafter.calls == [("propose", ["b", "c"], [2, 2]), ("skipped", ["a"])]
     states = [item.req.spec_state.policy for item in items]
-    assert [(s.kind, s.accepted, s.rejected) for s in states] == [("ngram", *good), ("draft", *good)]
+    assert [(s.kind, s.accepted, s.rejected) for s in states] == [("ngram", *good), ("draft", *good), ("draft", *good)]
+    decayed = tuple(REQUEST_DECAY * n for n in bad)
+    assert states[0].other_counts == {"draft": decayed} and states[2].other_counts == {"ngram": decayed}
+    assert states[1].other_counts == {"ngram": bad}                            # b had no NGRAM tree
     worker._record(SimpleNamespace(stats=SimpleNamespace(spec_verify_ct=0, spec_accepted_tokens=0)),
                    [SimpleNamespace(req=SimpleNamespace(**vars(i.req), spec_verify_ct=0, spec_accepted_tokens=0))
-                    for i in items], trees, [SimpleNamespace(accept_len=0), SimpleNamespace(accept_len=1)])
+                    for i in items], trees, [SimpleNamespace(accept_len=n) for n in (0, 1, 1)])
     assert states[0].kind == "ngram" and states[0].rejected > good[1]          # a's NGRAM tree failed
-    assert states[0].other_counts["draft"] == bad and states[1].other_counts["ngram"] == bad
+    assert assisted.stats() == {"request_steps_drafted_by_ngram": 0}           # counted once accepted
 
 
 def test_a_requests_counts_of_each_kind_are_kept_apart():
