@@ -37,7 +37,7 @@ class NgramAssistedProposer(Proposer):
         self.catches_up_lazily = drafter.catches_up_lazily       # NGRAM reads what it missed itself
         self.follows_plain_steps = drafter.follows_plain_steps
         self.num_ngram_trees = 0                                   # request-steps NGRAM drafted
-        self.ngram_rids: set[str] = set()                          # the requests NGRAM matched last
+        self.ngram_rids: set[str] = set()              # the requests verifying NGRAM's trees this step
 
     @property
     def last_switch_seconds(self) -> float:
@@ -77,6 +77,8 @@ class NgramAssistedProposer(Proposer):
         return min(max_nodes, self.drafter.params.num_draft_tokens)
 
     def propose_rest(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
+        """The draft model's trees; these requests verify them, whatever NGRAM matched for them."""
+        self.ngram_rids.difference_update(item.req.rid for item in items)
         return self.drafter.propose(engine, items, [self.rest_cap(n) for n in max_nodes])
 
     def tree_kind(self, item) -> str:

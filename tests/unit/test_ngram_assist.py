@@ -123,7 +123,11 @@ def test_the_worker_weighs_ngrams_trees_and_the_draft_models_each_against_their_
                    [SimpleNamespace(req=SimpleNamespace(**vars(i.req), spec_verify_ct=0, spec_accepted_tokens=0))
                     for i in items], trees, [SimpleNamespace(accept_len=n) for n in (0, 1, 1)])
     assert states[0].kind == "ngram" and states[0].rejected > good[1]          # a's NGRAM tree failed
-    assert assisted.stats() == {"request_steps_drafted_by_ngram": 0}           # counted once accepted
+    assert [assisted.tree_kind(item) for item in items] == ["ngram", "draft", "draft"]
+    assert states[2].kind == "draft" and states[2].accepted == REQUEST_DECAY * good[0] + 1   # c's chain
+    assert states[2].other_counts == {"ngram": decayed}
+    assisted.on_accepted(None, items, trees, [])
+    assert assisted.stats() == {"request_steps_drafted_by_ngram": 1}           # a's alone
 
 
 def test_a_requests_counts_of_each_kind_are_kept_apart():
