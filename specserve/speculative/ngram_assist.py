@@ -5,9 +5,12 @@ to; NGRAM drafts only where the context's tail recurs, in the prompt, in what th
 seen, or in its corpus of the target's own answers, and there its trees run longer (copying,
 set phrases, the steps of a worked answer). This wrapper lets NGRAM match each request first,
 trees of up to N nodes, and the draft model propose only for the requests it found nothing for,
-so a step that copies skips the draft forward. The draft model still reads every verified
-token: its features or tokens reach it through the same hooks as when it drafts, and its next
-catch-up covers the steps NGRAM drafted.
+so a step that copies skips the draft forward. The worker weighs the two kinds of tree apart
+(``SpecWorker._plan_in_two_parts``): each request's acceptance of NGRAM's trees and of the draft
+model's is counted apart, and a request with an NGRAM match verifies the head's chain instead
+where that promises more (corpus matches on chat, which the model rarely follows). The draft
+model still reads every verified token: its features or tokens reach it through the same hooks
+as when it drafts, and its next catch-up covers the steps NGRAM drafted.
 
 Measured before this was built (a prototype, 2026-11-28, 2-core AMD EPYC Zen4, batch 1, greedy,
 every step drafting, 28 prompts in turns): EAGLE3 (1,1,2) with NGRAM trees of 4 nodes 1.41x
