@@ -102,10 +102,11 @@ class Proposer:
     it then gets ``on_plain_step``, which such a proposer implements (EAGLE heads read the
     step's target features there).
     ``proposes_in_two_parts``: a cheap part first (``propose_first``: a tree, or None where the
-    other part would draft), then the costly part (``propose_rest``, within ``rest_cap``) for the
-    requests the policy picks among the rest; the worker then weighs the cheap part's trees at their
-    real sizes, each against the request's acceptance of that part's trees (``tree_kind``:
-    ``RequestPolicyState.use_counts_of``). The NGRAM assist (``ngram_assist.py``) is one.
+    other part would draft), then the costly part (``propose_rest``, within ``rest_cap``, trees of
+    at most ``rest_depth``) for the requests the policy picks among the rest; the worker then
+    weighs the cheap part's trees at their real sizes, each request against its acceptance of the
+    kind of tree it would verify (``tree_kind``: ``RequestPolicyState.use_counts_of``). The NGRAM
+    assist (``ngram_assist.py``) is one.
     ``last_switch_seconds``: set by proposers whose draft catches up on the positions it missed
     (EAGLE heads, draft models; ``catch_up_share``): the share of the catch-up forward spent on
     positions beyond what a verify leaves (``num_draft_tokens`` a request), i.e. on plain steps'
@@ -334,24 +335,9 @@ class SpecWorker:
         (as a cheap proposer's), the costly part's at its cap, each request against its acceptance of
         the kind of tree it would verify. The costly part then drafts for the requests picked among
         the rest; every other request skips it."""
-        proposer, bs = self.proposer, len(items)
-        first = proposer.propose_first(engine, items, caps)
-        for i, (state, tree) in enumerate(zip(states, first)):
-            if tree is None:
-                state.use_counts_of(proposer.rest_kind)
-                continue
-            rest_depth = proposer.max_depth(proposer.rest_cap(caps[i]))
-            if self.policy.pick_kind(state, {proposer.first_kind: tree.depth,
-                                             proposer.rest_kind: rest_depth}) != proposer.first_kind:
-                first[i] = None                       # the costly part's chain promises more
-        nodes = [tree.num_nodes if tree is not None else proposer.rest_cap(cap) for tree, cap in zip(first, caps)]
-        depths = [tree.depth if tree is not None else proposer.max_depth(n) for tree, n in zip(first, nodes)]
-        can_pick = self.policy.may_pick_any(states, nodes, depths)
-        if can_pick:                                  # size each tree to the request's acceptance
-            nodes = [self.policy.preferred_nodes(state, n, bs, proposer.max_depth) for state, n in zip(states, nodes)]
-            first = [truncate_tree(tree, n) if tree is not None else None for tree, n in zip(first, nodes)]
-            nodes = [tree.num_nodes if tree is not None else n for tree, n in zip(first, nodes)]
-            depths = [tree.depth if tree is not None else proposer.max_depth(n) for tree, n in zip(first, nodes)]
+        proposer = self.proposer
+        first = self._first_or_rest(states, proposer.propose_first(engine, items, caps), caps)
+        first, nodes, depths, can_pick = self._sized_two_parts(states, first, caps)
         sizes = _take_tree_slots(engine, items, self.policy.select(states, nodes, depths, can_pick))
         rest = [i for i, (tree, n) in enumerate(zip(first, sizes)) if tree is None and n > 1]
         drafted = proposer.propose_rest(engine, [items[i] for i in rest], [sizes[i] for i in rest]) if rest else []
@@ -366,6 +352,35 @@ class SpecWorker:
         for i, tree in zip(rest, drafted):
             trees[i] = tree
         return trees
+
+    def _first_or_rest(self, states: list, first: list, caps: list[int]) -> list:
+        """``first`` with None where the request takes the costly part's chain: it had no cheap tree,
+        or the chain promises more (``SpecPolicy.pick_kind``); each request's counts of its kind active."""
+        proposer = self.proposer
+        for i, (state, tree) in enumerate(zip(states, first)):
+            if tree is None:
+                state.use_counts_of(proposer.rest_kind)
+                continue
+            kinds = {proposer.first_kind: tree.depth, proposer.rest_kind: proposer.rest_depth(caps[i])}
+            if self.policy.pick_kind(state, kinds) != proposer.first_kind:
+                first[i] = None
+        return first
+
+    def _sized_two_parts(self, states: list, first: list, caps: list[int]) -> tuple[list, list[int], list[int], bool]:
+        """The cheap trees cut to, and the costly part's caps set at, the sizes the policy prefers for
+        each request (where ``may_pick_any`` says anyone may draft): (trees or None, nodes, depths,
+        can_pick)."""
+        proposer, bs = self.proposer, len(states)
+        nodes = [tree.num_nodes if tree is not None else proposer.rest_cap(cap) for tree, cap in zip(first, caps)]
+        depths = [tree.depth if tree is not None else proposer.rest_depth(n) for tree, n in zip(first, nodes)]
+        can_pick = self.policy.may_pick_any(states, nodes, depths)
+        if can_pick:
+            depth_of = [proposer.rest_depth if tree is None else proposer.max_depth for tree in first]
+            nodes = [self.policy.preferred_nodes(s, n, bs, depth) for s, n, depth in zip(states, nodes, depth_of)]
+            first = [truncate_tree(tree, n) if tree is not None else None for tree, n in zip(first, nodes)]
+            nodes = [tree.num_nodes if tree is not None else n for tree, n in zip(first, nodes)]
+            depths = [tree.depth if tree is not None else proposer.rest_depth(n) for tree, n in zip(first, nodes)]
+        return first, nodes, depths, can_pick
 
     def _depth_caps(self, caps: list[int]) -> list[int]:
         """The proposer's ``max_depth`` of each cap (asked once per distinct cap)."""

@@ -79,6 +79,10 @@ class NgramAssistedProposer(Proposer):
         """The draft model's tree size within ``max_nodes``: its own N at most."""
         return min(max_nodes, self.drafter.params.num_draft_tokens)
 
+    def rest_depth(self, max_nodes: int) -> int:
+        """The depth of the draft model's deepest tree within ``max_nodes``."""
+        return self.drafter.max_depth(self.rest_cap(max_nodes))
+
     def propose_rest(self, engine, items: list, max_nodes: list[int]) -> list[DraftTree]:
         """The draft model's trees; these requests verify them, whatever NGRAM matched for them."""
         self.ngram_rids.difference_update(item.req.rid for item in items)
