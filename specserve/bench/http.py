@@ -109,8 +109,7 @@ def _http_phase(args, server_args, id_lists, ttft_ids, warm_ids) -> dict[str, An
             levels.extend(out.pop("batch_one_levels"))
             solo = out.pop("solo")
             continue
-        spec = hc.LoadSpec(level, True, args.max_new_tokens, max(len(id_lists), level * args.requests_per_client),
-                           request_rate=args.request_rate)
+        spec = _level_spec(args, level, len(id_lists))
         with fresh_server(f"c{level}-stream") as base_url:
             _warm_up(base_url, warm_ids)
             records, wall = _load(base_url, id_lists, spec, f"http c{level}-stream")
@@ -122,6 +121,13 @@ def _http_phase(args, server_args, id_lists, ttft_ids, warm_ids) -> dict[str, An
             _warm_up(base_url, warm_ids)
             out["soak"] = soak(base_url, args, id_lists, solo or {})
     return out
+
+
+def _level_spec(args, level: int, num_prompts: int) -> hc.LoadSpec:
+    """The streamed load of one concurrency level: every prompt once at batch 1; above it, every
+    prompt and at least ``requests_per_client`` requests a client."""
+    count = num_prompts if level == 1 else max(num_prompts, level * args.requests_per_client)
+    return hc.LoadSpec(level, True, args.max_new_tokens, count, request_rate=args.request_rate)
 
 
 def batch_one(args, server_args, id_lists, ttft_ids, warm_ids, fresh_server) -> dict[str, Any]:
@@ -337,9 +343,7 @@ def vllm_run(args, id_lists, warm_ids) -> dict[str, Any]:
                           out["server_args"], log) as base_url:
         _warm_up(base_url, warm_ids)
         for level in concurrency_levels(args.concurrency):
-            count = len(id_lists) if level == 1 else max(len(id_lists), level * args.requests_per_client)
-            spec = hc.LoadSpec(level, True, args.max_new_tokens, count, request_rate=args.request_rate)
-            records, wall = _load(base_url, id_lists, spec, f"vLLM c{level}-stream")
+            records, wall = _load(base_url, id_lists, _level_spec(args, level, len(id_lists)), f"vLLM c{level}-stream")
             out["http"].append(level_figures(level, True, records, wall, None))
     return out
 

@@ -371,15 +371,19 @@ class SpecWorker:
         each request (where ``may_pick_any`` says anyone may draft): (trees or None, nodes, depths,
         can_pick)."""
         proposer, bs = self.proposer, len(states)
-        nodes = [tree.num_nodes if tree is not None else proposer.rest_cap(cap) for tree, cap in zip(first, caps)]
-        depths = [tree.depth if tree is not None else proposer.rest_depth(n) for tree, n in zip(first, nodes)]
+
+        def shapes(trees: list, caps: list[int]) -> tuple[list[int], list[int]]:
+            """Each request's nodes and depth: its cheap tree's, else the costly part's within its cap."""
+            nodes = [tree.num_nodes if tree is not None else cap for tree, cap in zip(trees, caps)]
+            return nodes, [tree.depth if tree is not None else proposer.rest_depth(n) for tree, n in zip(trees, nodes)]
+
+        nodes, depths = shapes(first, [proposer.rest_cap(cap) for cap in caps])
         can_pick = self.policy.may_pick_any(states, nodes, depths)
         if can_pick:
             depth_of = [proposer.rest_depth if tree is None else proposer.max_depth for tree in first]
             nodes = [self.policy.preferred_nodes(s, n, bs, depth) for s, n, depth in zip(states, nodes, depth_of)]
             first = [truncate_tree(tree, n) if tree is not None else None for tree, n in zip(first, nodes)]
-            nodes = [tree.num_nodes if tree is not None else n for tree, n in zip(first, nodes)]
-            depths = [tree.depth if tree is not None else proposer.rest_depth(n) for tree, n in zip(first, nodes)]
+            nodes, depths = shapes(first, nodes)
         return first, nodes, depths, can_pick
 
     def _depth_caps(self, caps: list[int]) -> list[int]:
