@@ -20,7 +20,9 @@ decoding requests:
   estimate for a deep tree without jumping to it. The model is then calibrated:
   predicted extra tokens are scaled by (accepted drafts) / (predicted extra
   tokens) over recent verifies, which corrects it where it is optimistic (wide
-  shallow NGRAM trees, whose sibling acceptances say little about depth);
+  shallow NGRAM trees, whose sibling acceptances say little about depth). The
+  global rate and the calibration are kept per kind of tree (``KindFigures``: the
+  NGRAM assist's NGRAM trees and draft-model chains);
 * requests with a history are sorted by ``alpha_r`` (a new request is only probed
   first: the global rate comes from the requests that were picked, a biased
   prior); for every prefix of that order the step's
@@ -203,6 +205,40 @@ class RequestPolicyState:
         self.kind = kind
 
 
+@dataclass
+class KindFigures:
+    """The global figures of one kind of tree (``RequestPolicyState.kind``): the acceptance rate per
+    draft token over every request's verifies (decayed counts), which a request's own rate is
+    shrunk towards, and the calibration, realized / predicted extra tokens per verify. Apart per
+    kind because the NGRAM assist's two kinds accept at rates far apart (NGRAM's trees on copying,
+    the draft model's chains elsewhere) and its wide, shallow NGRAM trees are the geometric model's
+    optimistic case: shared, the head's chains pulled down the prior a fresh copying request starts
+    from (accept length 3.4 on copy-heavy prompts against NGRAM alone's 4.9, 2-core Zen4)."""
+
+    accepted: float = PRIOR_RATE * PRIOR_WEIGHT
+    rejected: float = (1 - PRIOR_RATE) * PRIOR_WEIGHT
+    realized_extra: float = CALIBRATION_PRIOR
+    predicted_extra: float = CALIBRATION_PRIOR
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def calibration(self) -> float:
+        return self.realized_extra / self.predicted_extra
+
+    def observe(self, accept_len: int, is_full: bool, predicted: float) -> None:
+        """One verify that accepted ``accept_len`` drafts where ``predicted`` extra tokens were expected."""
+        self.accepted = GLOBAL_DECAY * self.accepted + accept_len
+        self.rejected = GLOBAL_DECAY * self.rejected + (0.0 if is_full else 1.0)
+        self.realized_extra = GLOBAL_DECAY * self.realized_extra + accept_len
+        self.predicted_extra = GLOBAL_DECAY * self.predicted_extra + predicted
+
+
+_PRIOR_FIGURES = KindFigures()      # a kind's before its first verify (``SpecPolicy.figures``; never changed)
+
+
 class StepCost:
     """Predicted seconds of one decode step with ``bs`` requests, ``width`` tokens, the widest
     request ``max_q`` tokens and ``k`` drafting requests:
@@ -319,8 +355,7 @@ class SpecPolicy:
         self.cost = StepCost(target_cost, draft_cost)
         self.is_always = is_always      # speculate for every request (tests, accept-length benchmarks)
         self.num_draft_tokens = num_draft_tokens
-        self.accepted, self.rejected = PRIOR_RATE * PRIOR_WEIGHT, (1 - PRIOR_RATE) * PRIOR_WEIGHT   # global
-        self.realized_extra, self.predicted_extra = CALIBRATION_PRIOR, CALIBRATION_PRIOR  # decayed sums
+        self.kinds: dict[str, KindFigures] = {}      # global figures per kind of tree (``figures``)
         self.last_state: str | None = None
         self.probe_credit = float("inf")             # seconds; capped at PROBE_CREDIT_PROBES probes
         self.probe_success = PROBE_SUCCESS_PRIOR     # EMA: share of probes fully accepted
@@ -349,8 +384,7 @@ class SpecPolicy:
             return list(nodes)
         k, order = 0, []
         if can_pick:
-            calibration = self.calibration
-            alphas = [1.0 + calibration * (expected_tokens(self.rate(s), d) - 1.0) for s, d in zip(states, depths)]
+            alphas = [self._alpha(s, d) for s, d in zip(states, depths)]
             order = sorted((i for i in range(bs) if nodes[i] > 1 and states[i].has_history), key=lambda i: -alphas[i])
             k = self._best_prefix(bs, order, alphas, nodes, states)
         self.picked_share += PICKED_EMA_WEIGHT * (k / bs - self.picked_share)
@@ -396,14 +430,27 @@ class SpecPolicy:
         self.last_step_is_warm = True
         self._log_change(len(states), 0)
 
+    def figures(self, kind: str) -> KindFigures:
+        """The global figures of ``kind``'s trees, to read (the priors until a verify of that kind)."""
+        return self.kinds.get(kind, _PRIOR_FIGURES)
+
     @property
     def calibration(self) -> float:
-        """Realized / predicted extra tokens per verify over recent verifies."""
-        return self.realized_extra / self.predicted_extra
+        """Realized / predicted extra tokens per verify over recent verifies, every kind's pooled
+        (logs, ``/get_server_info``; the choices use each kind's: ``figures``)."""
+        kinds = self.kinds.values() or [KindFigures()]
+        return sum(f.realized_extra for f in kinds) / sum(f.predicted_extra for f in kinds)
 
     @property
     def global_rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        """The acceptance rate per draft token over recent verifies, every kind's pooled."""
+        kinds = self.kinds.values() or [KindFigures()]
+        accepted = sum(f.accepted for f in kinds)
+        return accepted / (accepted + sum(f.rejected for f in kinds))
+
+    def _alpha(self, state: RequestPolicyState, depth: int) -> float:
+        """Calibrated expected tokens of a verify of a depth-``depth`` tree of the request's kind."""
+        return 1.0 + self.figures(state.kind).calibration * (expected_tokens(self.rate(state), depth) - 1.0)
 
     @property
     def alpha(self) -> float:
@@ -412,7 +459,7 @@ class SpecPolicy:
 
     def rate(self, state: RequestPolicyState) -> float:
         """The request's acceptance rate per draft token, shrunk towards the global one."""
-        return ((state.accepted + PRIOR_WEIGHT * self.global_rate)
+        return ((state.accepted + PRIOR_WEIGHT * self.figures(state.kind).rate)
                 / (state.accepted + state.rejected + PRIOR_WEIGHT))
 
     def pick_kind(self, state: RequestPolicyState, depths: dict[str, int]) -> str:
@@ -425,7 +472,7 @@ class SpecPolicy:
         best, best_extra = "", -1.0
         for kind, depth in depths.items():
             state.use_counts_of(kind)
-            extra = self.calibration * (expected_tokens(self.rate(state), depth) - 1.0)
+            extra = self._alpha(state, depth) - 1.0
             if extra > best_extra:
                 best, best_extra = kind, extra
         for kind in depths:
@@ -445,7 +492,7 @@ class SpecPolicy:
         chain. ``cap`` for requests without a history (their probes are sized elsewhere)."""
         if self.is_always or not state.has_history or cap <= 2:
             return cap
-        rate, calibration = self.rate(state), self.calibration
+        rate, calibration = self.rate(state), self.figures(state.kind).calibration
         best_n, best = cap, 0.0
         for n in range(2, cap + 1):
             alpha = 1.0 + calibration * (expected_tokens(rate, depth_of(n)) - 1.0)
@@ -472,10 +519,9 @@ class SpecPolicy:
         if self.is_always:
             return True
         bs = len(states)
-        calibration = self.calibration
         picked = [(s, depth) for s, n, depth in zip(states, nodes, depths) if n > 1 and s.has_history]
-        gains = sorted((calibration * self.rate(s) ** d for s, depth in picked for d in range(1, depth + 1)),
-                       reverse=True)
+        gains = sorted((self.figures(s.kind).calibration * self.rate(s) ** d
+                        for s, depth in picked for d in range(1, depth + 1)), reverse=True)
         keeps = any(self._keeps_drafting(s) for s, _ in picked)
         threshold = (1.0 + (-KEEP_MARGIN if keeps else MARGIN)) * self._plain_rate(bs)
         tokens, remaining = float(bs), sum(gains)
@@ -511,8 +557,9 @@ class SpecPolicy:
         if is_charged and self.cost(bs, bs + 1, 2, 1) - step_cost > credit:
             return False
         threshold = (1.0 + MARGIN) * self._plain_rate(bs)
-        return any(self._best_probe_case(bs, bs, 1, 0, cap, depth, is_fresh) > threshold
-                   for cap, depth, is_fresh in {(nodes[i], depths[i], not states[i].has_history) for i in due})
+        cases = {(nodes[i], depths[i], not states[i].has_history, states[i].kind) for i in due}
+        return any(self._best_probe_case(bs, bs, 1, 0, cap, depth, is_fresh, kind) > threshold
+                   for cap, depth, is_fresh, kind in cases)
 
     def _probe_accrual(self, step_cost: float, picked_share: float) -> float:
         """Probe credit a step of ``step_cost`` seconds adds: PROBE_BUDGET's share of it, from the
@@ -521,17 +568,18 @@ class SpecPolicy:
         return (low + (high - low) * self.probe_success * picked_share) * step_cost
 
     def _best_probe_case(self, bs: int, width: int, max_q: int, num_drafting: int, max_nodes: int,
-                         max_depth: int, is_fresh: bool = False) -> float:
+                         max_depth: int, is_fresh: bool = False, kind: str = "") -> float:
         """Tokens per second of this step (``width`` rows, widest ``max_q``, ``num_drafting`` others
         drafting) with a request that fully accepted a probe of min(max_nodes, PROBE_NODES) nodes
         taking its tree at the best size of 2..max_nodes nodes (depth <= max_depth). ``_probe``'s
         test, and ``may_probe``'s bound for any tree within a cap of ``max_nodes`` (a smaller
-        tree's probe shows less). ``is_fresh``: the request has no history (``_hopeful_alpha``)."""
+        tree's probe shows less). ``is_fresh``: the request has no history; ``kind``: its kind of tree
+        (``_hopeful_alpha``)."""
         probe_nodes = min(max_nodes, PROBE_NODES)
-        return max((bs + self._hopeful_alpha(probe_nodes, min(n - 1, max_depth), is_fresh) - 1.0)
+        return max((bs + self._hopeful_alpha(probe_nodes, min(n - 1, max_depth), is_fresh, kind) - 1.0)
                    / self.cost(bs, width + n - 1, max(max_q, n), num_drafting + 1) for n in range(2, max_nodes + 1))
 
-    def _hopeful_alpha(self, probe_nodes: int, depth: int, is_fresh: bool = False) -> float:
+    def _hopeful_alpha(self, probe_nodes: int, depth: int, is_fresh: bool = False, kind: str = "") -> float:
         """Calibrated expected tokens of a depth-``depth`` tree for a request whose only history is
         one fully accepted probe of ``probe_nodes`` nodes (all a probe can show). A fresh request
         (no verify yet) is judged by the better of that and the neutral prior (PRIOR_RATE,
@@ -543,8 +591,8 @@ class SpecPolicy:
         request: 1.00x plain where drafting every step gave 1.06x (gsm8k 1.16x); judged this way,
         1.06x (gsm8k 1.14x, chat 0.99x). Where drafting never pays (a step of 1.6 plain ones), this
         costs ~0.4%: one probe a request."""
-        hopeful = RequestPolicyState(accepted=float(probe_nodes - 1))
-        alpha = 1.0 + self.calibration * (expected_tokens(self.rate(hopeful), depth) - 1.0)
+        hopeful = RequestPolicyState(accepted=float(probe_nodes - 1), kind=kind)
+        alpha = self._alpha(hopeful, depth)
         if not is_fresh:
             return alpha
         neutral = (probe_nodes - 1 + PRIOR_WEIGHT * PRIOR_RATE) / (probe_nodes - 1 + PRIOR_WEIGHT)
@@ -616,7 +664,8 @@ class SpecPolicy:
         is_first = not states[i].has_history          # a request's first probe is not charged
         if not is_first and extra > self.probe_credit:
             return False    # no credit: the best case need not be weighed
-        best_case = self._best_probe_case(bs, width, max_q, num_drafting, nodes[i], depths[i], is_first)
+        best_case = self._best_probe_case(bs, width, max_q, num_drafting, nodes[i], depths[i], is_first,
+                                          states[i].kind)
         if best_case <= (1.0 + MARGIN) * self._plain_rate(bs):
             return False
         sizes[i] = size
@@ -641,15 +690,15 @@ class SpecPolicy:
         is_full = accept_len >= depth
         state.accepted = REQUEST_DECAY * state.accepted + accept_len
         state.rejected = REQUEST_DECAY * state.rejected + (0.0 if is_full else 1.0)
-        self.accepted = GLOBAL_DECAY * self.accepted + accept_len
-        self.rejected = GLOBAL_DECAY * self.rejected + (0.0 if is_full else 1.0)
         if is_full:
             state.backoff = 0
         if state.is_probing:
             self.probe_success += PROBE_EMA_WEIGHT * (float(is_full) - self.probe_success)
             state.is_probing = False
-        self.realized_extra = GLOBAL_DECAY * self.realized_extra + accept_len
-        self.predicted_extra = GLOBAL_DECAY * self.predicted_extra + state.predicted
+        figures = self.kinds.get(state.kind)
+        if figures is None:
+            figures = self.kinds[state.kind] = KindFigures()
+        figures.observe(accept_len, is_full, state.predicted)
 
     def max_batch_size(self, alpha: float | None = None, nodes: int | None = None, limit: int = 512) -> int:
         """Largest batch size at which all requests speculate with full chains, for ``alpha``

@@ -128,6 +128,7 @@ def test_sampling_matches_target_distribution(tiny_dirs, exact, kind):
     histogram = info["spec_accept_histogram"]
     if kind == "assisted":                   # both kinds of tree were verified
         assert 0 < info["spec_policy"]["request_steps_drafted_by_ngram"] < sum(histogram)
+        assert set(info["spec_policy"]["by_kind"]) == {"ngram", "draft"}     # each kind's global figures
     assert sum(histogram) > NUM_SAMPLES // 2, "speculation did not run"
     assert sum(histogram[1:]) > 0.1 * sum(histogram), f"too few acceptances to test anything: {histogram}"
     p2, p3 = _chi_square_pvalue(second, exact[0]), _chi_square_pvalue(third, exact[1])

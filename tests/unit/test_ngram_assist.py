@@ -140,3 +140,19 @@ def test_a_requests_counts_of_each_kind_are_kept_apart():
     state.use_counts_of("")
     assert (state.accepted, state.rejected, state.kind, state.num_skipped) == (3.0, 1.0, "", 2)
     assert state.other_counts == {"ngram": (5.0, 0.0)}
+
+
+def test_the_global_figures_of_each_kind_are_kept_apart():
+    """The head's chains failing everywhere pull down neither the rate a fresh request's NGRAM trees
+    start from nor their calibration; a fresh request with both kinds on offer takes NGRAM's."""
+    policy = SpecPolicy(CostCurve([1, 4, 16], [5e-3, 6e-3, 20e-3]), lambda k, n: 1e-4 * k, num_draft_tokens=8)
+    for _ in range(30):
+        chain, copier = RequestPolicyState(kind="draft", predicted=1.0), RequestPolicyState(kind="ngram", predicted=3.0)
+        policy.observe(chain, 0, 1)
+        policy.observe(copier, 3, 3)
+    assert policy.figures("draft").rate < 0.1 and policy.figures("ngram").rate > 0.9
+    assert policy.figures("ngram").calibration > 0.9 and policy.figures("draft").calibration < 0.1
+    fresh = RequestPolicyState()
+    assert policy.pick_kind(fresh, {"ngram": 3, "draft": 1}) == "ngram"
+    assert policy.rate(fresh) > 0.9
+    assert 0.1 < policy.global_rate < 0.9                               # the logs' figure pools both

@@ -1,7 +1,7 @@
 """The speculation policy on synthetic cost curves."""
 from __future__ import annotations
 
-from specserve.speculative.policy import (KEEP_MARGIN, MARGIN, PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve,
+from specserve.speculative.policy import (KEEP_MARGIN, MARGIN, PROBE_MAX_BACKOFF, PROBE_NODES, CostCurve, KindFigures,
                                    RequestPolicyState, SpecPolicy, expected_tokens, measure_cost_curve)
 
 # memory-bound up to 16 tokens, then linear (a GPU-like curve, in ms)
@@ -508,8 +508,7 @@ def test_a_fresh_request_probes_where_earlier_requests_pulled_the_estimates_down
     still probed (judged by the neutral prior, the better of the two here), while one whose own
     probe failed waits for credit."""
     policy = SpecPolicy(CPU_CURVE, lambda k, n: 0.2, num_draft_tokens=2, warm_steps=2)
-    policy.accepted, policy.rejected = 0.2 * 20, 0.8 * 20
-    policy.realized_extra, policy.predicted_extra = 6.0, 10.0
+    policy.kinds[""] = KindFigures(accepted=0.2 * 20, rejected=0.8 * 20, realized_extra=6.0, predicted_extra=10.0)
     policy.probe_credit = 0.0
     fresh = RequestPolicyState()
     assert policy.may_probe([fresh], [2], [1])
