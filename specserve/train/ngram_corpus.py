@@ -2,9 +2,11 @@
 
     specserve train-draft --stage regenerate --work-dir W --num-prompts 4000   # the answers
     python -m specserve.train.ngram_corpus --answers W/answers.jsonl --out DIR
+    python -m specserve.train.ngram_corpus --extend DIR --answers W2/answers.jsonl --out DIR2   # grown
 
 Keeps each answer's output tokens (the prompts add nothing measurable: answers are where a
-chat model repeats itself), in the regenerated-answer format's order, up to ``--max-tokens``.
+chat model repeats itself), in the regenerated-answer format's order, after an ``--extend``
+corpus's documents, up to ``--max-tokens`` in all.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 from tqdm import tqdm
 
 from specserve.loading.default_model import DEFAULT_MODEL_NAME
-from specserve.speculative.ngram_corpus import write_corpus
+from specserve.speculative.ngram_corpus import is_corpus_folder, read_corpus_documents, write_corpus
 from specserve.train.capture import answer_files, read_records
 
 
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specserve.train.ngram_corpus", description=__doc__.split("\n")[0])
     p.add_argument("--answers", required=True, help="regenerated answers (JSONL), comma-separated")
     p.add_argument("--out", required=True, help="corpus folder to write")
+    p.add_argument("--extend", default=None,
+                   help="a corpus folder whose documents come first (its answers' files need not be at hand)")
     p.add_argument("--max-tokens", type=int, default=None, help="keep answers up to this many tokens")
     p.add_argument("--target", default=DEFAULT_MODEL_NAME, help="the model that wrote the answers (config.json)")
     p.add_argument("--about", default="the target's greedy answers to training prompts",
@@ -44,10 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--answers: no such file: {', '.join(missing)}")
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
-    documents = read_answers(args.answers, args.max_tokens)
-    if not documents:
+    if args.extend is not None and not is_corpus_folder(args.extend):
+        p.error(f"--extend: {args.extend} is not an n-gram corpus folder (config.json + corpus.safetensors)")
+    earlier = read_corpus_documents(args.extend)[0] if args.extend else []
+    budget = None if args.max_tokens is None else args.max_tokens - sum(map(len, earlier))
+    new = read_answers(args.answers, budget) if budget is None or budget > 0 else []
+    if not new:
         p.error("--answers: no answers read")
-    command = f"--answers {args.answers}" + (f" --max-tokens {args.max_tokens}" if args.max_tokens else "")
+    documents = earlier + new
+    command = (f"--extend {args.extend} " if args.extend else "") + f"--answers {args.answers}" + \
+        (f" --max-tokens {args.max_tokens}" if args.max_tokens else "")
     folder = write_corpus(documents, args.out, {"target": args.target, "about": args.about,
                                                 "made_by": f"python -m specserve.train.ngram_corpus {command}"})
     print(f"ngram corpus: {len(documents)} answers, {sum(map(len, documents))} tokens in {folder}")

@@ -122,6 +122,21 @@ def test_folder_round_trip_and_builder(tmp_path):
     assert read_corpus_documents(tmp_path / "d")[0] == [[5, 6], []]
 
 
+def test_the_builder_extends_a_corpus_with_new_answers(tmp_path):
+    write_corpus([[7, 8, 9], [10]], tmp_path / "old", {"target": "x"})
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps({"index": i, "source": "t", "input_ids": [1], "output_ids": [i, i + 1]})
+                               + "\n" for i in range(3)))
+    out = tmp_path / "grown"
+    assert builder.main(["--extend", str(tmp_path / "old"), "--answers", str(answers), "--out", str(out),
+                         "--max-tokens", "8"]) == 0
+    docs, config = read_corpus_documents(out)
+    assert docs == [[7, 8, 9], [10], [0, 1], [1, 2]] and config["made_by"].count("--extend") == 1
+    bad = subprocess.run([sys.executable, "-m", "specserve.train.ngram_corpus", "--extend", str(tmp_path),
+                          "--answers", str(answers), "--out", str(tmp_path / "c")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "error: --extend:" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_builder_names_a_missing_answers_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "specserve.train.ngram_corpus", "--answers", str(tmp_path / "no"),
                           "--out", str(tmp_path / "c")], capture_output=True, text=True)
