@@ -461,7 +461,7 @@ class SpecWorker:
                 "speculative_num_draft_tokens": p.num_draft_tokens, "speculative_policy": p.policy,
                 "spec_policy": {"policy": p.policy, "accept_rate": self.policy.global_rate,
                                 "calibration": self.policy.calibration,
-                                "by_kind": {kind or "all": {"accept_rate": f.rate, "calibration": f.calibration}
+                                "by_kind": {kind or "default": {"accept_rate": f.rate, "calibration": f.calibration}
                                             for kind, f in self.policy.kinds.items()},
                                 "max_batch_size": self.policy.max_batch_size(),
                                 "request_steps_drafted": self.num_drafted_steps,
