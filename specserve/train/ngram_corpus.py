@@ -32,6 +32,25 @@ def read_answers(answers: str, max_tokens: int | None) -> list[list[int]]:
     return documents
 
 
+def _documents(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[list[int]]:
+    """The ``--extend`` corpus's documents, then the new answers within ``--max-tokens`` in all."""
+    earlier = []
+    if args.extend is not None:
+        if not is_corpus_folder(args.extend):
+            p.error(f"--extend: {args.extend} is not an n-gram corpus folder (config.json + corpus.safetensors)")
+        try:
+            earlier = read_corpus_documents(args.extend)[0]
+        except (OSError, ValueError) as e:
+            p.error(f"--extend: {e}")
+    budget = None if args.max_tokens is None else args.max_tokens - sum(map(len, earlier))
+    if budget is not None and budget <= 0:
+        p.error(f"--max-tokens: the --extend corpus holds {sum(map(len, earlier))} tokens already")
+    new = read_answers(args.answers, budget)
+    if not new:
+        p.error("--answers: no answers read")
+    return earlier + new
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specserve.train.ngram_corpus", description=__doc__.split("\n")[0])
     p.add_argument("--answers", required=True, help="regenerated answers (JSONL), comma-separated")
@@ -48,14 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--answers: no such file: {', '.join(missing)}")
     if args.max_tokens is not None and args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
-    if args.extend is not None and not is_corpus_folder(args.extend):
-        p.error(f"--extend: {args.extend} is not an n-gram corpus folder (config.json + corpus.safetensors)")
-    earlier = read_corpus_documents(args.extend)[0] if args.extend else []
-    budget = None if args.max_tokens is None else args.max_tokens - sum(map(len, earlier))
-    new = read_answers(args.answers, budget) if budget is None or budget > 0 else []
-    if not new:
-        p.error("--answers: no answers read")
-    documents = earlier + new
+    documents = _documents(p, args)
     command = (f"--extend {args.extend} " if args.extend else "") + f"--answers {args.answers}" + \
         (f" --max-tokens {args.max_tokens}" if args.max_tokens else "")
     folder = write_corpus(documents, args.out, {"target": args.target, "about": args.about,
