@@ -434,19 +434,22 @@ class SpecPolicy:
         """The global figures of ``kind``'s trees, to read (the priors until a verify of that kind)."""
         return self.kinds.get(kind, _PRIOR_FIGURES)
 
+    def _pooled(self) -> KindFigures:
+        """Every kind's figures summed (logs, ``/get_server_info``; the choices use each kind's:
+        ``figures``); the priors before any verify."""
+        kinds = self.kinds.values() or [_PRIOR_FIGURES]
+        return KindFigures(*(sum(getattr(f, name) for f in kinds)
+                             for name in ("accepted", "rejected", "realized_extra", "predicted_extra")))
+
     @property
     def calibration(self) -> float:
-        """Realized / predicted extra tokens per verify over recent verifies, every kind's pooled
-        (logs, ``/get_server_info``; the choices use each kind's: ``figures``)."""
-        kinds = self.kinds.values() or [KindFigures()]
-        return sum(f.realized_extra for f in kinds) / sum(f.predicted_extra for f in kinds)
+        """Realized / predicted extra tokens per verify over recent verifies, every kind's pooled."""
+        return self._pooled().calibration
 
     @property
     def global_rate(self) -> float:
         """The acceptance rate per draft token over recent verifies, every kind's pooled."""
-        kinds = self.kinds.values() or [KindFigures()]
-        accepted = sum(f.accepted for f in kinds)
-        return accepted / (accepted + sum(f.rejected for f in kinds))
+        return self._pooled().rate
 
     def _alpha(self, state: RequestPolicyState, depth: int) -> float:
         """Calibrated expected tokens of a verify of a depth-``depth`` tree of the request's kind."""
@@ -568,7 +571,7 @@ class SpecPolicy:
         return (low + (high - low) * self.probe_success * picked_share) * step_cost
 
     def _best_probe_case(self, bs: int, width: int, max_q: int, num_drafting: int, max_nodes: int,
-                         max_depth: int, is_fresh: bool = False, kind: str = "") -> float:
+                         max_depth: int, is_fresh: bool, kind: str) -> float:
         """Tokens per second of this step (``width`` rows, widest ``max_q``, ``num_drafting`` others
         drafting) with a request that fully accepted a probe of min(max_nodes, PROBE_NODES) nodes
         taking its tree at the best size of 2..max_nodes nodes (depth <= max_depth). ``_probe``'s
@@ -579,7 +582,7 @@ class SpecPolicy:
         return max((bs + self._hopeful_alpha(probe_nodes, min(n - 1, max_depth), is_fresh, kind) - 1.0)
                    / self.cost(bs, width + n - 1, max(max_q, n), num_drafting + 1) for n in range(2, max_nodes + 1))
 
-    def _hopeful_alpha(self, probe_nodes: int, depth: int, is_fresh: bool = False, kind: str = "") -> float:
+    def _hopeful_alpha(self, probe_nodes: int, depth: int, is_fresh: bool, kind: str) -> float:
         """Calibrated expected tokens of a depth-``depth`` tree for a request whose only history is
         one fully accepted probe of ``probe_nodes`` nodes (all a probe can show). A fresh request
         (no verify yet) is judged by the better of that and the neutral prior (PRIOR_RATE,

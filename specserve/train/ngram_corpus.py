@@ -16,7 +16,7 @@ import sys
 from tqdm import tqdm
 
 from specserve.loading.default_model import DEFAULT_MODEL_NAME
-from specserve.speculative.ngram_corpus import is_corpus_folder, read_corpus_documents, write_corpus
+from specserve.speculative.ngram_corpus import read_corpus_documents, write_corpus
 from specserve.train.capture import answer_files, read_records
 
 
@@ -36,15 +36,14 @@ def _documents(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[lis
     """The ``--extend`` corpus's documents, then the new answers within ``--max-tokens`` in all."""
     earlier = []
     if args.extend is not None:
-        if not is_corpus_folder(args.extend):
-            p.error(f"--extend: {args.extend} is not an n-gram corpus folder (config.json + corpus.safetensors)")
-        try:
+        try:        # names a folder that is not a corpus, or one of another format
             earlier = read_corpus_documents(args.extend)[0]
         except (OSError, ValueError) as e:
             p.error(f"--extend: {e}")
-    budget = None if args.max_tokens is None else args.max_tokens - sum(map(len, earlier))
+    held = sum(map(len, earlier))
+    budget = None if args.max_tokens is None else args.max_tokens - held
     if budget is not None and budget <= 0:
-        p.error(f"--max-tokens: the --extend corpus holds {sum(map(len, earlier))} tokens already")
+        p.error(f"--max-tokens: the --extend corpus holds {held} tokens already")
     new = read_answers(args.answers, budget)
     if not new:
         p.error("--answers: no answers read")
