@@ -18,6 +18,7 @@ from specserve.models.eagle3 import Eagle3Head
 from specserve.models.layers import use_native_norms
 from specserve.models.mtp import NextNHead
 from specserve.models.packed_linear import integer_quantization, pack_linears_for_cpu, runs_integer
+from specserve.models.weights import built_on_meta
 
 if TYPE_CHECKING:
     from specserve.models.llama import LlamaForCausalLM
@@ -38,7 +39,7 @@ def load_draft_head(algorithm: str, draft_path: str | None, target: "LlamaForCau
         raise ValueError(f"no draft head for --speculative-algorithm {algorithm} (EAGLE, EAGLE3, NEXTN)")
     checkpoint = find_draft_checkpoint(algorithm, draft_path, target, target_path)
     head_class = HEAD_CLASSES[checkpoint.kind]
-    with torch.device("meta"):
+    with built_on_meta():
         head = head_class.for_checkpoint(checkpoint, target.config)
     head = head.to_empty(device=device).to(dtype)
     if token_map_path is not None:

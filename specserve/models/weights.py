@@ -6,7 +6,8 @@ GGUF): when every row of a parameter came with codes, the parameter gets them as
 ``block_codes`` attribute (fused parameters: the parts' codes stacked in row order)."""
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -16,6 +17,27 @@ from specserve.kernels.coded import BlockCodes
 
 class WeightLoadError(ValueError):
     pass
+
+
+@contextlib.contextmanager
+def built_on_meta() -> Iterator[None]:
+    """Modules built inside go on the meta device, with ``torch.nn.init``'s functions skipped: their
+    values are all loaded strictly afterwards. The first of those calls imports ``torch._dynamo``
+    (~1 s of a server's startup) only to fill tensors that hold no data."""
+    names = [name for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")]
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, _left_as_is)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _left_as_is(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 class StrictLoader:

@@ -18,6 +18,7 @@ from specserve.models.cpu_metadata import build_cpu_metadata
 from specserve.models.layers import use_native_norms
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.packed_linear import integer_quantization, pack_linears_for_cpu, runs_integer
+from specserve.models.weights import built_on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
     """Materialize the model directly in ``dtype`` on ``device`` and load weights strictly;
     ``quantization`` "gguf": CPU linears with GGUF blocks run the integer kernels; "w8a8_int8":
     those without blocks are rounded to Q8_0 blocks first, so every linear runs them."""
-    with torch.device("meta"):
+    with built_on_meta():
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()

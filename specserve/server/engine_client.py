@@ -1,7 +1,7 @@
 """EngineClient: the front process's handle on the model process.
 
-``EngineClient.launch(server_args)`` spawns ``model_process.run_model_process``, waits until
-the model is loaded (or reports why it could not be), then loads the tokenizer here. On the
+``EngineClient.launch(server_args)`` spawns ``model_process.run_model_process`` and waits until
+the model is loaded (or reports why it could not be), loading the tokenizer here meanwhile. On the
 asyncio loop it offers what the HTTP API needs (``submit``, ``query``, ``health_error``, ...,
 the same as ``AsyncEngine``): requests go out as messages, outputs come back as token ids and
 are detokenized here, so text work never delays the model loop. If the model process dies,
@@ -14,6 +14,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,8 @@ class EngineClient:
     """The model process, seen from the front's asyncio loop."""
 
     def __init__(self, server_args: ServerArgs, process: Any, endpoints: ipc.Endpoints,
-                 context: zmq.Context, to_model: zmq.Socket, from_model: zmq.Socket, ready: ipc.Ready) -> None:
+                 context: zmq.Context, to_model: zmq.Socket, from_model: zmq.Socket, ready: ipc.Ready,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.server_args = server_args
         self.process = process
         self.endpoints = endpoints
@@ -81,7 +83,7 @@ class EngineClient:
         self.context_len = ready.context_len
         self.vocab_size = ready.vocab_size
         self.model_pid = ready.pid
-        self.tokenizer = Tokenizer.load(ready.tokenizer_path)
+        self.tokenizer = tokenizer or Tokenizer.load(ready.tokenizer_path)
         self.metrics = ServerMetrics(model_name_of(self))
         self._context, self._to_model, self._from_model = context, to_model, from_model
         self._streams: dict[str, _Stream] = {}
@@ -105,12 +107,14 @@ class EngineClient:
             target=run_model_process, args=(server_args, endpoints, os.getpid()),
             name="specserve-model", daemon=True)
         process.start()
+        prefetch = TokenizerPrefetch.start_for(server_args)
         try:
             ready = _wait_until_ready(process, from_model)
         except StartupError:
             _close(process, context, endpoints)
             raise
-        return cls(server_args, process, endpoints, context, to_model, from_model, ready)
+        tokenizer = prefetch.tokenizer_for(ready.tokenizer_path) if prefetch else None
+        return cls(server_args, process, endpoints, context, to_model, from_model, ready, tokenizer)
 
     def start(self) -> None:
         """Begin reading the model process's messages on the running asyncio loop."""
@@ -267,6 +271,43 @@ def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> 
         future.set_exception(error)
     else:
         future.set_result(value)
+
+
+class TokenizerPrefetch(threading.Thread):
+    """The tokenizer loaded on a thread of the front while the model process loads the model, where
+    the front can tell its path alone (a local --tokenizer-path or --model-path, or the default
+    model's file once fetched). Loaded after the model instead, it added its whole time to the
+    server's startup: ~3.5 s of ~17 for the default model (its GGUF's 49,152 tokens and 48,900
+    merges parsed), on a 2-core AVX-512 Zen4."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(name="tokenizer-prefetch", daemon=True)   # a failed startup need not wait
+        self.path = path
+        self.tokenizer: Tokenizer | None = None
+
+    @classmethod
+    def start_for(cls, server_args: ServerArgs) -> "TokenizerPrefetch | None":
+        from specserve.loading.default_model import default_model_path
+
+        path = server_args.tokenizer_path or server_args.model_path or str(default_model_path())
+        if not os.path.exists(path):
+            return None
+        prefetch = cls(path)
+        prefetch.start()
+        return prefetch
+
+    def run(self) -> None:
+        try:
+            self.tokenizer = Tokenizer.load(self.path)
+        except Exception:  # noqa: BLE001 - left to the load after Ready, which reports it
+            self.tokenizer = None
+
+    def tokenizer_for(self, path: str) -> Tokenizer | None:
+        """The prefetched tokenizer if it is ``path``'s (the model process's answer), else None."""
+        if path != self.path:
+            return None
+        self.join()
+        return self.tokenizer
 
 
 def _wait_until_ready(process: Any, from_model: zmq.Socket) -> ipc.Ready:

@@ -297,3 +297,14 @@ def test_tiny_llama_gguf_unpermutes_qk(tmp_path):
     weights = dict(weights)
     assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], hf_q)
     assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], hf_k)
+
+
+def test_modules_built_on_meta_skip_init_and_leave_it_as_it_was():
+    from specserve.models.weights import built_on_meta
+
+    normal = torch.nn.init.normal_
+    with built_on_meta():
+        embedding = torch.nn.Embedding(8, 4)
+        assert torch.nn.init.normal_ is not normal
+    assert embedding.weight.is_meta and torch.nn.init.normal_ is normal
+    assert torch.nn.Embedding(8, 4).weight.std() > 0            # init runs again outside
