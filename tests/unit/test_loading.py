@@ -308,3 +308,22 @@ def test_modules_built_on_meta_skip_init_and_leave_it_as_it_was():
         assert torch.nn.init.normal_ is not normal
     assert embedding.weight.is_meta and torch.nn.init.normal_ is normal
     assert torch.nn.Embedding(8, 4).weight.std() > 0            # init runs again outside
+
+
+def test_the_gguf_reader_gives_the_librarys_fields_and_tensors(default_gguf_path):
+    """open_gguf's faster reader (plain views of the memory map) against gguf.GGUFReader itself."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    ours, theirs = open_gguf(default_gguf_path), GGUFReader(default_gguf_path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.n_bytes, mine.data_offset) == \
+            (tensor.name, tensor.tensor_type, tensor.n_bytes, tensor.data_offset)
+        assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data), tensor.name
