@@ -1,4 +1,4 @@
-"""``specserve bench <plain|serving|speculative|verify-cost|kv-cache|shapes|http> [args]``
+"""``specserve bench <plain|serving|speculative|verify-cost|kv-cache|shapes|http|startup> [args]``
 (also ``python -m specserve.bench.cli ...``).
 
 Every subcommand prints a table, shows a progress bar and writes a JSON result file (and a PNG
@@ -28,6 +28,7 @@ SUBCOMMANDS = {
                                          "(--write records them for the engine)"),
     "http": ("specserve.bench.http", "the HTTP server under concurrent streaming load, beside the offline "
                                      "Engine, llama.cpp and vLLM (bench_serving)"),
+    "startup": ("specserve.bench.startup", "seconds from launching the server to its first /health 200"),
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Any], Any]] = {
     "speculative": report.plot_speculative,

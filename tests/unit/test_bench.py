@@ -519,3 +519,33 @@ def test_bench_http_sets_ours_over_vllms_per_level():
     args = cli.parse_args(["http"])
     assert args.vllm_python is None and args.vllm_dtype == "bfloat16"
     assert http.vllm_run(args, [[1, 2]], [3]) == {"skipped": vllm_peer.skip_reason(None)}
+
+
+def test_startup_times_each_launch_until_health_answers(monkeypatch, tmp_path, capsys):
+    """``bench startup`` times every launch up to the moment its server answers (here a stand-in
+    that takes ~50 ms), none of the stopping, and refuses --runs below 1."""
+    import contextlib
+    import time
+
+    from specserve.bench import startup
+
+    stopping = []
+
+    @contextlib.contextmanager
+    def fake_server(server_args, threads, log_path):
+        time.sleep(0.05)
+        yield "http://127.0.0.1:1"
+        stopping.append(server_args)
+        time.sleep(0.2)
+
+    monkeypatch.setattr(startup.hc, "server_process", fake_server)
+    args = cli.parse_args(["startup", "--runs", "2", "--out", str(tmp_path)])
+    args.model_path = "model.gguf"
+    result = startup.run(args)
+    assert len(result["seconds"]) == 2 and len(stopping) == 2
+    assert all(0.05 <= s < 0.2 for s in result["seconds"])
+    assert result["server_args"][-2:] == ["--model-path", "model.gguf"]
+    assert "median" in capsys.readouterr().out
+    args.runs = 0
+    with pytest.raises(ValueError, match="--runs"):
+        startup.run(args)
