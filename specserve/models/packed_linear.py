@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +105,7 @@ class Linear(nn.Linear):
         """The weights as the skinny kernel takes them. A weight replaced since packing drops
         the code blocks (they described the old one)."""
         native = self.native_weights
-        if native is None or native.dense != self.weight.data_ptr():
+        if native is None or (native.dense or 0) != self.weight.data_ptr():   # a dropped weight's is 0
             self.coded_records = self.int_panels = None
             native = self.native_weights = skinny.linear_weights(self.weight.detach())
         return native
@@ -169,6 +170,24 @@ def _gather_int_panels(model: nn.Module) -> None:
     copies = huge_pages.gather([m.int_panels for m in modules])
     for module, panels in zip(modules, copies or []):
         _set_int_panels(module, panels, module.int_format, in_huge_pages=True)
+
+
+def drop_dense_weights(modules: Iterable[nn.Module]) -> int:
+    """The dense float copy of every integer-kernel ``Linear`` among ``modules`` (and their
+    submodules) replaced by a meta tensor of its shape and dtype; returns the bytes freed. The
+    integer kernel computes every input from the panels (``_use_integer`` checked them against
+    the dense weight), so the copy is only memory: 424 MB of the default model's 540 in float32,
+    ~4 bytes a weight of any GGUF. For linears nothing else reads (a model's decoder layers; not
+    a head whose rows a token map may take): anything that computes with it fails loudly."""
+    freed = 0
+    for module in (m for root in modules for m in root.modules()):
+        if isinstance(module, Linear) and module.int_panels is not None and not module.weight.is_meta:
+            weight = module.weight
+            freed += weight.numel() * weight.element_size()
+            module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                         requires_grad=False)
+            _set_int_panels(module, module.int_panels, module.int_format, module.int_panels_in_huge_pages)
+    return freed
 
 
 def _set_int_panels(module: Linear, panels: torch.Tensor, fmt: int, in_huge_pages: bool) -> None:

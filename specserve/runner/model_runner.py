@@ -17,7 +17,8 @@ from specserve.models.attention import KVCache, build_metadata
 from specserve.models.cpu_metadata import build_cpu_metadata
 from specserve.models.layers import use_native_norms
 from specserve.models.llama import LlamaForCausalLM
-from specserve.models.packed_linear import integer_quantization, pack_linears_for_cpu, runs_integer
+from specserve.models.packed_linear import (drop_dense_weights, integer_quantization, pack_linears_for_cpu,
+                                             runs_integer)
 from specserve.models.weights import built_on_meta
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,7 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
     pack_linears_for_cpu(model, integer_quantization(model, quantization))
     if runs_integer(model):
         use_native_norms(model)
+    drop_dense_weights(model.model.layers)
     return model.eval()
 
 

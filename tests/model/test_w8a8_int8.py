@@ -46,3 +46,22 @@ def test_speculative_output_equals_plain_on_the_w8a8_path(model):
     accepted = sum(o["meta_info"]["spec_verify_ct"] * (o["meta_info"]["spec_accept_length"] - 1) for o in ours)
     assert drafted > 0 and round(accepted) == drafted     # the same weights and path: every draft accepted
     assert torch.is_tensor(spec.engine.spec_worker.proposer.runner.model.lm_head.int_panels)
+
+
+def test_the_layers_dense_copies_are_dropped_and_nothing_changes(model, monkeypatch):
+    """The decoder layers' integer-kernel linears keep their panels alone (their dense float copies,
+    ~4 bytes a weight, become meta tensors); the embedding and the head keep theirs; the output is
+    that of a model that keeps every copy."""
+    from specserve.runner import model_runner
+
+    engine = Engine(model_path=model, quantization="w8a8_int8", **KW)
+    net = engine.engine.runner.model
+    layer_linears = [m for m in net.model.layers.modules() if hasattr(m, "int_panels") and hasattr(m, "in_features")]
+    assert layer_linears and all(m.weight.is_meta for m in layer_linears)
+    assert not net.lm_head.weight.is_meta and not net.model.embed_tokens.weight.is_meta
+    monkeypatch.setattr(model_runner, "drop_dense_weights", lambda modules: 0)
+    keeping = Engine(model_path=model, quantization="w8a8_int8", **KW)
+    assert not any(m.weight.is_meta for m in keeping.engine.runner.model.modules() if hasattr(m, "int_panels"))
+    outputs = [[o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=[PARAMS] * 3)]
+               for e in (engine, keeping)]
+    assert outputs[0] == outputs[1]
