@@ -35,7 +35,8 @@ from specserve.bench.serving import (
 from specserve.runner.gc_freeze import freeze_long_lived_objects
 from specserve.runner.openmp_pool import release_thread_team
 
-MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM --quantization gguf"   # make serve's SPEC_ARGS QUANT_ARGS
+# make serve's SPEC_ARGS QUANT_ARGS
+MAKE_SERVE_ARGS = "--speculative-algorithm NGRAM --quantization gguf --kv-cache-dtype bf16"
 SETTLE_S = 0.1      # between batch-1 turns: libgomp workers spin ~300,000 pauses after their last region
 TTFT_PROMPT_LEN = 128
 VLLM_DTYPE = "bfloat16"

@@ -23,7 +23,7 @@ class WeightLoadError(ValueError):
 def built_on_meta() -> Iterator[None]:
     """Modules built inside go on the meta device, with ``torch.nn.init``'s functions skipped: their
     values are all loaded strictly afterwards. The first of those calls imports ``torch._dynamo``
-    (~1 s of a server's startup) only to fill tensors that hold no data."""
+    (~0.5 s of a server's startup) only to fill tensors that hold no data."""
     names = [name for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")]
     saved = {name: getattr(torch.nn.init, name) for name in names}
     try:
