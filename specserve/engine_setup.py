@@ -70,6 +70,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     args = _with_shipped_draft(args, model_path, device, dtype)
     args = _with_ngram_corpus(args, model_path)
     spec = resolve_spec_params(args, cfg)
+    pending_corpus = _start_corpus_load(args) if spec is not None else None
     _check_token_map(args, spec, cfg)
     spec_width = spec.tree_cap if spec else 1   # KV slots per decode step per request
     try:
@@ -117,7 +118,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         try:
             spec_worker = create_spec_worker(ProposerContext(args, spec, cfg, runner, pool, max_running,
                                                              context_len, draft_checkpoint, model_path,
-                                                             draft_vocab_ids=draft_vocab_ids))
+                                                             draft_vocab_ids=draft_vocab_ids,
+                                                             pending_ngram_corpus=pending_corpus))
         except (OSError, ValueError, KeyError, ConfigError) as exc:
             _fall_back_to_plain(args, exc)
             runner.capture_features, runner.model.aux_layer_ids = None, ()
@@ -242,12 +244,24 @@ def _with_shipped_draft(args: ServerArgs, model_path: str, device: str, dtype: t
                                speculative_num_draft_tokens=num_draft_tokens)
 
 
+def _uses_ngram(args: ServerArgs) -> bool:
+    return args.speculative_algorithm == "NGRAM" or bool(args.speculative_ngram_assist)
+
+
+def _start_corpus_load(args: ServerArgs):
+    """NGRAM's corpus read and indexed beside the target's loading (``ngram.start_corpus_load``)."""
+    if not _uses_ngram(args):
+        return None
+    from specserve.speculative.ngram import start_corpus_load
+
+    return start_corpus_load(args)
+
+
 def _with_ngram_corpus(args: ServerArgs, model_path: str) -> ServerArgs:
     """NGRAM's corpus (also an assisting NGRAM's): the given folder (checked here, so a wrong path is a
     flag error), none for `none`, and unset with the default model the shipped corpus of its own answers."""
     corpus = args.speculative_ngram_corpus
-    uses_ngram = args.speculative_algorithm == "NGRAM" or args.speculative_ngram_assist
-    if not uses_ngram or (corpus or "").lower() == "none":
+    if not _uses_ngram(args) or (corpus or "").lower() == "none":
         return args
     from specserve.speculative.ngram_corpus import is_corpus_folder
 

@@ -70,6 +70,7 @@ class ProposerContext:
     draft_checkpoint: tuple["ModelConfig", Iterable] | None = None
     target_path: str | None = None      # the target's checkpoint (NEXTN heads live inside it)
     draft_vocab_ids: torch.Tensor | None = None   # a pruned-vocabulary draft's target ids (STANDALONE)
+    pending_ngram_corpus: Any = None    # ngram.start_corpus_load's future, begun before the target loaded
 
 
 def draft_quantization(args: "ServerArgs", device_type: str) -> str | None:

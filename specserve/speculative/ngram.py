@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from specserve.core import Request
 from specserve.speculative.base import Proposer, ProposerContext
@@ -90,14 +91,38 @@ class NgramProposer(Proposer):
         return num_new, tail_ids(req, num_new + self.cache.max_depth)
 
 
+def start_corpus_load(args) -> Future | None:
+    """``--speculative-ngram-corpus`` read and indexed on a thread of its own (None for none), started
+    before the target loads; ``_load_corpus`` takes the result. Built after the model instead, the
+    shipped corpus's index added 0.8 s to the server's startup on one core while the other idled
+    (2-core AVX-512 Zen4). Its C index runs without the GIL."""
+    if _corpus_path(args) is None:
+        return None
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngram-corpus")
+    try:
+        return executor.submit(_read_and_index, args)
+    finally:
+        executor.shutdown(wait=False)
+
+
+def _corpus_path(args) -> str | None:
+    path = args.speculative_ngram_corpus
+    return None if path is None or path.lower() == "none" else path
+
+
+def _read_and_index(args):
+    documents, _ = read_corpus_documents(_corpus_path(args))
+    return make_ngram_corpus(documents, args)
+
+
 def _load_corpus(ctx: ProposerContext):
     """The corpus of ``--speculative-ngram-corpus`` (None for none), its ids checked against the
-    target's vocabulary."""
-    path = ctx.server_args.speculative_ngram_corpus
-    if path is None or path.lower() == "none":
+    target's vocabulary; ``ctx.pending_ngram_corpus``'s if ``start_corpus_load`` began it."""
+    path = _corpus_path(ctx.server_args)
+    if path is None:
         return None
-    documents, _ = read_corpus_documents(path)
-    corpus = make_ngram_corpus(documents, ctx.server_args)
+    pending = ctx.pending_ngram_corpus
+    corpus = pending.result() if pending is not None else _read_and_index(ctx.server_args)
     vocab_size = ctx.target_config.vocab_size
     if corpus.num_tokens and int(corpus.tokens.max()) >= vocab_size:
         raise ValueError(f"--speculative-ngram-corpus {path}: token ids beyond the target's vocabulary "

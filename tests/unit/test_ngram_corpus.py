@@ -166,12 +166,15 @@ def test_the_shipped_corpus_is_the_default_models_answers():
     assert max(max(d) for d in docs if d) < 49152 and sum(map(len, docs)) == config["tokens"]
 
 
-def _proposer(tmp_path, documents):
-    from specserve.speculative.ngram import NgramProposer
+def _proposer(tmp_path, documents, pending=False):
+    """An NGRAM proposer over these documents; ``pending``: its corpus read and indexed on a thread
+    begun before (``start_corpus_load``, as the engine does while the target loads)."""
+    from specserve.speculative.ngram import NgramProposer, start_corpus_load
 
     folder = write_corpus(documents, tmp_path / "corpus", {"target": "test"})
     args = ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_corpus=str(folder))
-    ctx = SimpleNamespace(server_args=args, params=None, target_config=SimpleNamespace(vocab_size=100))
+    ctx = SimpleNamespace(server_args=args, params=None, target_config=SimpleNamespace(vocab_size=100),
+                          pending_ngram_corpus=start_corpus_load(args) if pending else None)
     return NgramProposer(ctx)
 
 
@@ -181,10 +184,11 @@ def _running(num_running, prompt):
     return SimpleNamespace(scheduler=SimpleNamespace(running=reqs)), [SimpleNamespace(req=r) for r in reqs]
 
 
-def test_the_proposer_drafts_from_its_corpus_only_on_a_quiet_server(tmp_path):
+@pytest.mark.parametrize("pending", [False, True])
+def test_the_proposer_drafts_from_its_corpus_only_on_a_quiet_server(tmp_path, pending):
     from specserve.speculative.ngram import CORPUS_MAX_RUNNING
 
-    proposer = _proposer(tmp_path, [[5, 6, 7, 8, 9, 10]])
+    proposer = _proposer(tmp_path, [[5, 6, 7, 8, 9, 10]], pending)
     engine, items = _running(CORPUS_MAX_RUNNING, [1, 6, 7, 8])      # "6 7 8" is in the corpus only
     trees = proposer.propose(engine, items, [4] * len(items))
     assert [t.draft_tokens.tolist() for t in trees] == [[8, 9, 10]] * len(items)
@@ -192,6 +196,26 @@ def test_the_proposer_drafts_from_its_corpus_only_on_a_quiet_server(tmp_path):
     assert all(t.is_root_only for t in proposer.propose(engine, items, [4] * len(items)))
 
 
-def test_a_corpus_beyond_the_targets_vocabulary_is_refused(tmp_path):
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_corpus_beyond_the_targets_vocabulary_is_refused(tmp_path, pending):
     with pytest.raises(ValueError, match="vocabulary"):
-        _proposer(tmp_path, [[5, 6, 100]])
+        _proposer(tmp_path, [[5, 6, 100]], pending)
+
+
+def test_no_corpus_load_begins_without_a_corpus(tmp_path):
+    from specserve.speculative.ngram import start_corpus_load
+
+    for corpus in (None, "none", "None"):
+        assert start_corpus_load(ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_corpus=corpus)) is None
+
+
+def test_a_corpus_that_fails_to_load_fails_the_proposer_as_before(tmp_path):
+    """A folder gone between the flag's check and the read: the thread's error reaches the proposer
+    (the engine then falls back to plain decoding, as for any draft that cannot load)."""
+    from specserve.speculative.ngram import NgramProposer, start_corpus_load
+
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_corpus=str(tmp_path / "gone"))
+    ctx = SimpleNamespace(server_args=args, params=None, target_config=SimpleNamespace(vocab_size=100),
+                          pending_ngram_corpus=start_corpus_load(args))
+    with pytest.raises(OSError):
+        NgramProposer(ctx)
