@@ -70,7 +70,6 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     args = _with_shipped_draft(args, model_path, device, dtype)
     args = _with_ngram_corpus(args, model_path)
     spec = resolve_spec_params(args, cfg)
-    pending_corpus = _start_corpus_load(args) if spec is not None else None
     _check_token_map(args, spec, cfg)
     spec_width = spec.tree_cap if spec else 1   # KV slots per decode step per request
     try:
@@ -103,6 +102,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         backend = get_backend(args.attention_backend if args.attention_backend in LOCAL_ATTENTION_BACKENDS else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    pending_corpus = _start_corpus_load(args) if spec is not None else None    # every flag checked by now
     runner = _build_runner(args, cfg, weights, dtype, device, backend, context_len, spec_width,
                            num_pages * args.page_size, max_running, spec, kv_dtype)
     pool = BlockPool(num_pages, args.page_size)
