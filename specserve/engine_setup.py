@@ -12,7 +12,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.cache.radix import RadixCache
 from specserve.config import ConfigError, ModelConfig, ServerArgs
-from specserve.kernels import skinny
+from specserve.kernels import int_codes, skinny
 from specserve.loading.default_model import is_default_model
 from specserve.flag_notes import startup_notes
 from specserve.flags import LOCAL_ATTENTION_BACKENDS
@@ -20,7 +20,8 @@ from specserve.loading.hub import resolve_file
 from specserve.loading.loader import (check_architecture, check_load_format, checkpoint_format, read_checkpoint,
                                       resolve_model_path)
 from specserve.models.attention import KVCache, get_backend
-from specserve.models.packed_linear import Q8_ON_LOAD_QUANTIZATION, has_packed_kernels, warm_up_packed_linears
+from specserve.models.packed_linear import (INTEGER_QUANTIZATION, Q8_ON_LOAD_QUANTIZATION, has_packed_kernels,
+                                           warm_up_packed_linears)
 from specserve.runner.memory import MemoryBudgetError, plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype, resolve_kv_dtype
 from specserve.scheduler import Scheduler
@@ -85,7 +86,8 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
     extra_bytes += _coded_weight_bytes(model_path, device, dtype, args.quantization, cfg)
     try:
-        budget = plan_kv_budget(device=device, model_bytes=model_bytes(cfg, dtype) + extra_bytes,
+        weight_bytes = model_bytes(cfg, dtype) - _dense_bytes_not_kept(model_path, device, dtype, args.quantization)
+        budget = plan_kv_budget(device=device, model_bytes=weight_bytes + extra_bytes,
                                 bytes_per_token=kv_bpt + extra_bpt,
                                 min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
                                 max_total_tokens=args.max_total_tokens)
@@ -380,6 +382,18 @@ def _coded_weight_bytes(model_path: str, device: str, dtype: torch.dtype, quanti
     from specserve.loading.gguf import coded_weight_bytes
 
     return coded_weight_bytes(model_path, dtype)
+
+
+def _dense_bytes_not_kept(model_path: str, device: str, dtype: torch.dtype, quantization: str | None) -> int:
+    """The dense bytes of the decoder layers' linears that the integer path never holds (their
+    GGUF blocks suffice: ``codes_only_weights``)."""
+    if device != "cpu" or quantization != INTEGER_QUANTIZATION or not int_codes.is_available():
+        return 0
+    if checkpoint_format(model_path) != "gguf":
+        return 0
+    from specserve.loading.gguf import layer_block_weights
+
+    return layer_block_weights(model_path) * torch.empty((), dtype=dtype).element_size()
 
 
 def _context_len(args: ServerArgs, cfg: ModelConfig) -> int:

@@ -49,6 +49,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# the layer matrices the model fuses into one linear each (models/llama.py): their blocks stay
+# blocks only if the parts share a type
+_FUSED_MATRICES = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -155,6 +159,25 @@ def coded_weight_bytes(path: str | os.PathLike, dtype: torch.dtype) -> int:
         if tensor.tensor_type in gguf_blocks.BITS and len(tensor.shape) == 2:
             num_blocks = int(tensor.n_elements) // CODE_BLOCK
             total += num_blocks * RECORD_BYTES[kernel_format_for(gguf_blocks.BITS[tensor.tensor_type], dtype)]
+    return total
+
+
+def layer_block_weights(path: str | os.PathLike) -> int:
+    """How many weights of the decoder layers' linears the integer kernels read straight from
+    their blocks (every part of a fused linear of one type with a block reader): those the loader
+    keeps as blocks only, with no dense copy (``models/weights.py``, ``codes_only``). Reads only
+    the header."""
+    matrices: dict[tuple[str, str], tuple] = {}
+    for tensor in open_gguf(path).tensors:
+        match = _LAYER_TENSOR.fullmatch(tensor.name)
+        if match and match.group(3) == "weight" and len(tensor.shape) == 2:
+            matrices[match.group(1), match.group(2)] = (tensor.tensor_type, int(tensor.n_elements))
+    total = 0
+    for layer in {layer for layer, _ in matrices}:
+        for group in _FUSED_MATRICES:
+            parts = [matrices.get((layer, name)) for name in group]
+            if all(parts) and len({kind for kind, _ in parts}) == 1 and parts[0][0] in gguf_blocks.READERS:
+                total += sum(count for _, count in parts)
     return total
 
 

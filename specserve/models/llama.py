@@ -7,13 +7,14 @@ refuses anything it cannot place.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Collection, Iterable
 
 import torch
 from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.kernels import layer as native_layer
+from specserve.kernels.coded import BlockCodes
 from specserve.models.attention import AttentionMetadata, KVCache, TorchSDPABackend
 from specserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from specserve.models.packed_linear import Linear
@@ -244,10 +245,14 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)                                         # [T, V]
 
     # ---- weights --------------------------------------------------------
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], codes_only: Collection[str] = (),
+                     codes_suffice: Callable[[BlockCodes], bool] | None = None,
+                     on_codes_only: Callable[[nn.Module], None] | None = None) -> None:
+        """Strictly (``StrictLoader``); ``codes_only``, ``codes_suffice``, ``on_codes_only``: the
+        parameters that keep no dense copy where their GGUF codes suffice (``StrictLoader``)."""
         self._stack_calls = None
         cfg = self.config
-        loader = StrictLoader(self)
+        loader = StrictLoader(self, codes_only, codes_suffice, on_codes_only)
         add_fused_decoder_weights(loader, cfg)
         loader.ignore_suffix("rotary_emb.inv_freq")
         if cfg.tie_word_embeddings:

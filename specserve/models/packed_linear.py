@@ -141,6 +141,9 @@ def pack_linears_for_cpu(model: nn.Module, quantization: str | None = None) -> i
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
+        if isinstance(module, Linear) and weight.is_meta:
+            pack_codes_only(module)
+            continue
         if not isinstance(module, Linear) or weight.device.type != "cpu":
             continue
         if weight.dtype not in (torch.float32, torch.bfloat16):
@@ -159,6 +162,31 @@ def pack_linears_for_cpu(model: nn.Module, quantization: str | None = None) -> i
     _gather_int_panels(model)
     logger.debug("prepacked %d linear layers for oneDNN", count)
     return count
+
+
+def codes_only_weights(model: nn.Module, quantization: str | None, device: str) -> list[str]:
+    """The parameters that need no dense copy at load (``StrictLoader``'s ``codes_only``) when
+    their GGUF blocks suffice (``integer_kernel_takes``): the decoder layers' linear weights, with
+    the integer kernels chosen and built here (not a head, whose rows a token map may take)."""
+    if quantization != INTEGER_QUANTIZATION or device != "cpu" or not int_codes.is_available():
+        return []
+    return [f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, Linear) and name.startswith("model.layers.")]
+
+
+def integer_kernel_takes(codes: BlockCodes) -> bool:
+    """Whether the integer kernel runs on these blocks as they are (``_use_integer`` then packs
+    them without a dense weight)."""
+    return int_codes.is_available() and int_codes.int_format(codes) is not None
+
+
+def pack_codes_only(module: Linear) -> None:
+    """A linear loaded without its dense weight (``codes_only_weights``): its blocks into panels
+    (the loader calls it as each such weight is whole, so that only one weight's blocks are held
+    at a time), unless packed already."""
+    if not _keeps_integer(module) and not _use_integer(module):
+        raise RuntimeError(f"a linear of shape {tuple(module.weight.shape)} was loaded without its dense "
+                           f"weight, and its blocks cannot be packed for the integer kernel")
 
 
 def _gather_int_panels(model: nn.Module) -> None:
@@ -260,7 +288,7 @@ def _keeps_integer(module: Linear) -> bool:
     """Packed for the integer kernel before, and the weight is the same: stays so (packing again,
     e.g. a draft head's, must not move a shared layer off the path)."""
     native = module.native_weights
-    return module.int_panels is not None and native is not None and native.dense == module.weight.data_ptr()
+    return module.int_panels is not None and native is not None and (native.dense or 0) == module.weight.data_ptr()
 
 
 def _use_integer(module: Linear) -> bool:
@@ -271,7 +299,7 @@ def _use_integer(module: Linear) -> bool:
     if codes is None or not weight.is_contiguous() or not int_codes.is_available():
         return False
     fmt = int_codes.int_format(codes)
-    if fmt is None or not _rebuilds(codes, weight):
+    if fmt is None or not (weight.is_meta or _rebuilds(codes, weight)):   # meta: the loader checked them
         return False
     _set_int_panels(module, int_codes.panels(codes, fmt), fmt, in_huge_pages=False)   # _gather_int_panels may move them
     module.coded_records, module.packed_weight, module.skinny_max_rows = None, None, ALL_ROWS

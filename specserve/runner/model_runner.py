@@ -3,6 +3,7 @@ and turns a list of per-request extends into one forward pass."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 from dataclasses import dataclass
@@ -17,8 +18,9 @@ from specserve.models.attention import KVCache, build_metadata
 from specserve.models.cpu_metadata import build_cpu_metadata
 from specserve.models.layers import use_native_norms
 from specserve.models.llama import LlamaForCausalLM
-from specserve.models.packed_linear import (drop_dense_weights, integer_quantization, pack_linears_for_cpu,
-                                             runs_integer)
+from specserve.models.packed_linear import (codes_only_weights, drop_dense_weights, integer_kernel_takes,
+                                           integer_quantization, pack_codes_only, pack_linears_for_cpu,
+                                           runs_integer)
 from specserve.models.weights import built_on_meta
 
 logger = logging.getLogger(__name__)
@@ -232,18 +234,38 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
                 device: str, max_position: int, quantization: str | None = None) -> LlamaForCausalLM:
     """Materialize the model directly in ``dtype`` on ``device`` and load weights strictly;
     ``quantization`` "gguf": CPU linears with GGUF blocks run the integer kernels; "w8a8_int8":
-    those without blocks are rounded to Q8_0 blocks first, so every linear runs them."""
+    those without blocks are rounded to Q8_0 blocks first, so every linear runs them. With "gguf"
+    the decoder layers' dense weights are never written where their blocks suffice
+    (``codes_only_weights``): ``to_empty``'s pages for them are never touched, so never resident."""
     with built_on_meta():
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.load_weights(weights)
+    model.load_weights(weights, codes_only_weights(model, quantization, device), integer_kernel_takes, pack_codes_only)
     model.init_rotary(max_position, device)
     pack_linears_for_cpu(model, integer_quantization(model, quantization))
     if runs_integer(model):
         use_native_norms(model)
     drop_dense_weights(model.model.layers)
+    release_freed_heap()
     return model.eval()
+
+
+def release_freed_heap() -> None:
+    """Hand the heap pages freed while loading back to the system (glibc's ``malloc_trim``; a
+    no-op elsewhere): the dequantized tensors come and go among blocks that stay, which leaves
+    ~150 MB of the default model's load resident otherwise."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
