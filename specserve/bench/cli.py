@@ -1,4 +1,4 @@
-"""``specserve bench <plain|serving|speculative|verify-cost|kv-cache|shapes|http|startup> [args]``
+"""``specserve bench <plain|serving|speculative|verify-cost|kv-cache|shapes|http|startup|load-memory> [args]``
 (also ``python -m specserve.bench.cli ...``).
 
 Every subcommand prints a table, shows a progress bar and writes a JSON result file (and a PNG
@@ -29,6 +29,8 @@ SUBCOMMANDS = {
     "http": ("specserve.bench.http", "the HTTP server under concurrent streaming load, beside the offline "
                                      "Engine, llama.cpp and vLLM (bench_serving)"),
     "startup": ("specserve.bench.startup", "seconds from launching the server to its first /health 200"),
+    "load-memory": ("specserve.bench.load_memory", "peak and resident memory of loading a GGUF on the integer "
+                                                   "path (--synthetic: a 1B or 7B shape)"),
 }
 PLOTS: dict[str, Callable[[dict[str, Any], Any], Any]] = {
     "speculative": report.plot_speculative,

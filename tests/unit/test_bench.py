@@ -10,6 +10,7 @@ import pytest
 
 from specserve.bench import cli, prompts, report, serving, speculative
 from specserve.bench.plain import parse_dtypes
+from specserve.kernels import int_codes
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
@@ -549,3 +550,26 @@ def test_startup_times_each_launch_until_health_answers(monkeypatch, tmp_path, c
     args.runs = 0
     with pytest.raises(ValueError, match="--runs"):
         startup.run(args)
+
+
+@pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here")
+def test_load_memory_loads_a_synthetic_gguf_as_blocks_and_decodes(tmp_path, capsys):
+    """``bench load-memory``: a random-block GGUF of the given shape loads with its layers as
+    blocks only and decodes, each variant in a process of its own; unknown variants are refused."""
+    from specserve.bench import load_memory
+    from specserve.bench.synthetic_gguf import Shape, write_random_gguf
+    from specserve.loading.loader import read_checkpoint
+
+    shape = Shape(layers=2, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=300)
+    path = write_random_gguf(tmp_path / "tiny.gguf", shape)
+    cfg, _ = read_checkpoint(path)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (2, 128, 256, 300)
+    args = cli.parse_args(["load-memory", "--variants", "lean,dense", "--decode-steps", "2", "--out", str(tmp_path)])
+    args.model_path = str(path)
+    result = load_memory.run(args)
+    assert [r["variant"] for r in result["runs"]] == ["lean", "dense"]
+    assert all("error" not in r and r["step_ms"] > 0 and r["peak_mib"] >= r["rss_mib"] > 0 for r in result["runs"])
+    assert "lean: load" in capsys.readouterr().out
+    args.variants = "lean,sparse"
+    with pytest.raises(ValueError, match="--variants"):
+        load_memory.run(args)
