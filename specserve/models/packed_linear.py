@@ -180,13 +180,18 @@ def integer_kernel_takes(codes: BlockCodes) -> bool:
     return int_codes.is_available() and int_codes.int_format(codes) is not None
 
 
-def pack_codes_only(module: Linear) -> None:
+def pack_codes_only(module: Linear, arena: huge_pages.Arena | None = None) -> None:
     """A linear loaded without its dense weight (``codes_only_weights``): its blocks into panels
     (the loader calls it as each such weight is whole, so that only one weight's blocks are held
-    at a time), unless packed already."""
-    if not _keeps_integer(module) and not _use_integer(module):
+    at a time), those moved into ``arena`` (huge pages) at once, unless packed already."""
+    if _keeps_integer(module):
+        return
+    if not _use_integer(module):
         raise RuntimeError(f"a linear of shape {tuple(module.weight.shape)} was loaded without its dense "
                            f"weight, and its blocks cannot be packed for the integer kernel")
+    copy = arena.place(module.int_panels) if arena is not None else None
+    if copy is not None:
+        _set_int_panels(module, copy, module.int_format, in_huge_pages=True)
 
 
 def _gather_int_panels(model: nn.Module) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from specserve.config import ModelConfig
 from specserve.kernels import attention as attention_kernel
+from specserve.kernels import huge_pages
 from specserve.models.attention import KVCache, build_metadata
 from specserve.models.cpu_metadata import build_cpu_metadata
 from specserve.models.layers import use_native_norms
@@ -241,7 +242,8 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.load_weights(weights, codes_only_weights(model, quantization, device), integer_kernel_takes, pack_codes_only)
+    pack = functools.partial(pack_codes_only, arena=huge_pages.Arena())
+    model.load_weights(weights, codes_only_weights(model, quantization, device), integer_kernel_takes, pack)
     model.init_rotary(max_position, device)
     pack_linears_for_cpu(model, integer_quantization(model, quantization))
     if runs_integer(model):
