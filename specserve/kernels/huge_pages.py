@@ -13,17 +13,15 @@ kernel keeps transparent huge pages off (``never``), or off Linux, nothing chang
 """
 from __future__ import annotations
 
-import ctypes
-import logging
 import math
 import sys
 from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
+from specserve.kernels import os_memory
+
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
 ALIGN = 64          # each tensor's start, as torch's own allocations
 
 
@@ -99,15 +97,7 @@ def _advised_block(nbytes: int) -> torch.Tensor | None:
 
 
 def _advise_huge(address: int, length: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(address, length, MADV_HUGEPAGE) == 0:
-            return True
-        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    except (OSError, AttributeError):
-        pass
-    return False
+    return os_memory.advise(address, length, os_memory.MADV_HUGEPAGE)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -9,19 +9,17 @@ the rows of the Q and K projections of llama-arch models (its rope pairs adjacen
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
-import mmap
 import os
 import re
-import sys
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from specserve.config import ModelConfig
+from specserve.kernels import os_memory
 from specserve.kernels.coded import CODE_BLOCK, RECORD_BYTES, BlockCodes, kernel_format_for
 from specserve.loading import gguf_blocks
 
@@ -127,35 +125,8 @@ def _iter_tensors(reader, config: ModelConfig) -> WeightIterator:
             codes = codes and codes.map_rows(lambda rows: _unpermute_qk(name, rows, config))
         if codes is not None:
             weight.block_codes = codes
-        _release_pages(tensor.data)
+        os_memory.drop_pages(tensor.data)      # read once: none of the file stays resident
         yield name, weight
-
-
-def _release_pages(array: np.ndarray) -> None:
-    """The pages of the file's memory map under ``array`` dropped from this process (Linux's
-    ``madvise(MADV_DONTNEED)``; read again from the file if touched again): each tensor is read
-    once, copied into its weight and blocks, so a load keeps none of the file resident (for a 7B
-    GGUF, 3.6 GB that counted in the process's memory until it exited)."""
-    libc = _libc()
-    if libc is None or array.nbytes < _PAGE:
-        return
-    start = array.ctypes.data // _PAGE * _PAGE
-    end = (array.ctypes.data + array.nbytes) // _PAGE * _PAGE
-    if end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-
-
-_PAGE, _MADV_DONTNEED = mmap.PAGESIZE, 4
-
-
-@functools.cache
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
 
 
 def _log_types_without_kernels(reader) -> None:

@@ -3,7 +3,6 @@ and turns a list of per-request extends into one forward pass."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import torch
 
 from specserve.config import ModelConfig
 from specserve.kernels import attention as attention_kernel
-from specserve.kernels import huge_pages
+from specserve.kernels import huge_pages, os_memory
 from specserve.models.attention import KVCache, build_metadata
 from specserve.models.cpu_metadata import build_cpu_metadata
 from specserve.models.layers import use_native_norms
@@ -249,25 +248,8 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
     if runs_integer(model):
         use_native_norms(model)
     drop_dense_weights(model.model.layers)
-    release_freed_heap()
+    os_memory.trim_heap()     # the dequantized tensors freed among the blocks kept (~150 MB of the default model)
     return model.eval()
-
-
-def release_freed_heap() -> None:
-    """Hand the heap pages freed while loading back to the system (glibc's ``malloc_trim``; a
-    no-op elsewhere): the dequantized tensors come and go among blocks that stay, which leaves
-    ~150 MB of the default model's load resident otherwise."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
 
 
 def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
