@@ -126,7 +126,7 @@ class StrictLoader:
         skipped = self.skipped.pop(name)
         codes = None if name in self.copied else self._whole_codes(name)
         if codes is not None and self.codes_suffice(codes):
-            del self.codes[name], skipped
+            del self.codes[name]
             self._replace_with_meta(name, codes)
             return
         param = self.params[name]

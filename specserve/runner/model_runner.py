@@ -239,7 +239,7 @@ def build_model(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], d
     (``codes_only_weights``): ``to_empty``'s pages for them are never touched, so never resident."""
     with built_on_meta():
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)      # in dtype at once: no float32 copy to convert
     model.tie_weights()
     pack = functools.partial(pack_codes_only, arena=huge_pages.Arena())
     model.load_weights(weights, codes_only_weights(model, quantization, device), integer_kernel_takes, pack)
