@@ -64,7 +64,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
         torch.manual_seed(args.random_seed)
     args = _prepare_args(args, device)
     model_path = args.model_path or _default_model()
-    cfg, weights = _read_target(args, model_path)
+    cfg, weights = _read_target(args, model_path, device)
     tokenizer = _load_tokenizer(args, model_path)
     dtype = resolve_dtype(args.dtype, cfg, device)
     context_len = _context_len(args, cfg)
@@ -199,11 +199,15 @@ def _default_model() -> str:
                           f"pass --model-path") from None
 
 
-def _read_target(args: ServerArgs, model_path: str):
-    """(config, weights) of the target, with every problem a ConfigError naming --model-path."""
+def _read_target(args: ServerArgs, model_path: str, device: str):
+    """(config, weights) of the target, with every problem a ConfigError naming --model-path. On
+    the integer path its GGUF matrices come as their blocks (``dense_from_blocks``): the loader
+    makes dense values only for the weights that keep them."""
+    blocks = (device == "cpu" and args.backend != "jax" and args.quantization == INTEGER_QUANTIZATION
+              and int_codes.is_available())
     try:
         check_load_format(model_path, args.load_format)
-        cfg, weights = read_checkpoint(model_path)
+        cfg, weights = read_checkpoint(model_path, dense_from_blocks=blocks)
     except ConfigError:
         raise
     except (OSError, ValueError, KeyError) as exc:

@@ -90,7 +90,7 @@ def measure(path: str, variant: str, steps: int) -> dict[str, Any]:
     if variant == "dense":
         model_runner.codes_only_weights = lambda *args: []
     start = time.perf_counter()
-    cfg, weights = read_checkpoint(path)
+    cfg, weights = read_checkpoint(path, dense_from_blocks=variant == "lean")   # as the engine reads it
     runner = model_runner.ModelRunner(cfg, weights, dtype=torch.float32, device="cpu", max_position=512,
                                       num_kv_slots=512, page_size=1, max_rows=2, max_row_len=512,
                                       quantization="gguf", kv_dtype=torch.bfloat16)

@@ -62,15 +62,17 @@ def checkpoint_format(path: str | os.PathLike) -> str:
                      f"or an HF directory with config.json and *.safetensors")
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, WeightIterator]:
+def read_checkpoint(path: str | os.PathLike, dense_from_blocks: bool = False) -> tuple[ModelConfig, WeightIterator]:
     """``(config, iterator of (HF name, tensor))`` for a GGUF file or an HF safetensors directory.
 
-    GGUF tensors come dequantized to float32; safetensors tensors keep their stored dtype.
+    GGUF tensors come dequantized to float32 (``dense_from_blocks``: block-coded matrices as
+    meta tensors carrying their blocks, for ``StrictLoader``); safetensors tensors keep their
+    stored dtype.
     """
     if checkpoint_format(path) == "gguf":
         from specserve.loading.gguf import read_gguf
 
-        return read_gguf(path)
+        return read_gguf(path, dense_from_blocks)
     from specserve.loading.safetensors import read_safetensors_dir
 
     return read_safetensors_dir(path)

@@ -93,7 +93,7 @@ class StrictLoader:
         if target in self.codes_only and codes is not None and _rebuilds_exactly(codes, tensor):
             self.skipped.setdefault(target, []).append((row0, codes))
         else:
-            dest.copy_(tensor.to(dest.dtype))
+            dest.copy_(_values(tensor).to(dest.dtype))
             if target in self.codes_only:
                 self.copied.add(target)
         self.rows_loaded[target] += dest.shape[0] if dest.dim() else 1
@@ -159,12 +159,24 @@ class StrictLoader:
                 self.params[name].block_codes = codes
 
 
+def _values(tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor's values: a meta tensor carrying ``block_codes`` stands for theirs
+    (``read_checkpoint``'s ``dense_from_blocks``)."""
+    codes = getattr(tensor, "block_codes", None)
+    if tensor.is_meta and codes is not None:
+        return codes.expand()
+    return tensor
+
+
 def _rebuilds_exactly(codes: BlockCodes, tensor: torch.Tensor, chunk_values: int = 1 << 20) -> bool:
     """Whether the codes give the checkpoint tensor's float32 values, bit for bit (up to the sign
     of zeros). By chunks of rows (~4 MB of float32 each): one temporary the size of a 7B model's
-    matrix cost a page fault per 4 KiB, most of its load's time."""
+    matrix cost a page fault per 4 KiB, most of its load's time. A meta tensor's values are its
+    codes' (``_values``)."""
     if tensor.dim() != 2 or codes.shape != tuple(tensor.shape):
         return False
+    if tensor.is_meta:
+        return tensor.block_codes is codes
     step = max(1, chunk_values // tensor.shape[1])
     return all(torch.equal(codes.map_rows(lambda rows: rows[r:r + step]).expand(), tensor[r:r + step].float())
                for r in range(0, tensor.shape[0], step))

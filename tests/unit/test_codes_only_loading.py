@@ -127,6 +127,35 @@ def _write_gguf(path: Path, seed: int, float_v: bool = False) -> Path:
     return path
 
 
+def test_matrices_can_come_as_their_blocks_with_the_same_values(tmp_path):
+    """``dense_from_blocks``: each block-coded matrix a meta tensor carrying blocks whose values are
+    the dequantized matrix's (q and k unpermuted alike); other tensors as before."""
+    from specserve.loading.gguf import read_gguf
+
+    path = _write_gguf(tmp_path / "q8.gguf", 4, float_v=True)
+    dense = dict(read_gguf(path)[1])
+    lazy = dict(read_gguf(path, dense_from_blocks=True)[1])
+    assert dense.keys() == lazy.keys()
+    blocked = [name for name, t in lazy.items() if t.is_meta]
+    assert len(blocked) == 2 * 6 and not any("v_proj" in name or "norm" in name for name in blocked)
+    for name, tensor in lazy.items():
+        values = tensor.block_codes.expand() if tensor.is_meta else tensor
+        assert torch.equal(values, dense[name]), name
+
+
+def test_the_sample_check_catches_blocks_that_are_not_the_file_s(tmp_path):
+    import gguf
+
+    from specserve.loading.gguf import _sample_rows_rebuilt, block_codes, open_gguf
+
+    tensor = next(t for t in open_gguf(_write_gguf(tmp_path / "q8.gguf", 5)).tensors if t.name == "blk.1.ffn_up.weight")
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    codes = block_codes(tensor)
+    assert _sample_rows_rebuilt(tensor, codes)
+    codes.scales[-1, 0] *= 2                     # the last row: one of the sampled
+    assert not _sample_rows_rebuilt(tensor, codes)
+
+
 def test_the_planner_counts_blocks_only_where_a_linear_keeps_them(tmp_path):
     from specserve.loading.gguf import layer_block_weights
 
