@@ -12,7 +12,7 @@ import torch
 from specserve.cache.block_pool import BlockPool
 from specserve.cache.radix import RadixCache
 from specserve.config import ConfigError, ModelConfig, ServerArgs
-from specserve.kernels import int_codes, skinny
+from specserve.kernels import skinny
 from specserve.loading.default_model import is_default_model
 from specserve.flag_notes import startup_notes
 from specserve.flags import LOCAL_ATTENTION_BACKENDS
@@ -20,7 +20,7 @@ from specserve.loading.hub import resolve_file
 from specserve.loading.loader import (check_architecture, check_load_format, checkpoint_format, read_checkpoint,
                                       resolve_model_path)
 from specserve.models.attention import KVCache, get_backend
-from specserve.models.packed_linear import (INTEGER_QUANTIZATION, Q8_ON_LOAD_QUANTIZATION, has_packed_kernels,
+from specserve.models.packed_linear import (Q8_ON_LOAD_QUANTIZATION, has_packed_kernels, keeps_blocks_only,
                                            warm_up_packed_linears)
 from specserve.runner.memory import MemoryBudgetError, plan_kv_budget
 from specserve.runner.model_runner import ModelRunner, model_bytes, resolve_dtype, resolve_kv_dtype
@@ -86,7 +86,7 @@ def build_engine_parts(args: ServerArgs) -> EngineParts:
     extra_bytes, extra_bpt = _draft_bytes(draft, spec, cfg, dtype)
     extra_bytes += _coded_weight_bytes(model_path, device, dtype, args.quantization, cfg)
     try:
-        weight_bytes = model_bytes(cfg, dtype) - _dense_bytes_not_kept(model_path, device, dtype, args.quantization)
+        weight_bytes = model_bytes(cfg, dtype) - _dense_bytes_not_kept(model_path, args, device, dtype)
         budget = plan_kv_budget(device=device, model_bytes=weight_bytes + extra_bytes,
                                 bytes_per_token=kv_bpt + extra_bpt,
                                 min_tokens=context_len + spec_width, mem_fraction_static=args.mem_fraction_static,
@@ -203,11 +203,9 @@ def _read_target(args: ServerArgs, model_path: str, device: str):
     """(config, weights) of the target, with every problem a ConfigError naming --model-path. On
     the integer path its GGUF matrices come as their blocks (``dense_from_blocks``): the loader
     makes dense values only for the weights that keep them."""
-    blocks = (device == "cpu" and args.backend != "jax" and args.quantization == INTEGER_QUANTIZATION
-              and int_codes.is_available())
     try:
         check_load_format(model_path, args.load_format)
-        cfg, weights = read_checkpoint(model_path, dense_from_blocks=blocks)
+        cfg, weights = read_checkpoint(model_path, dense_from_blocks=_blocks_only(args, device))
     except ConfigError:
         raise
     except (OSError, ValueError, KeyError) as exc:
@@ -388,12 +386,16 @@ def _coded_weight_bytes(model_path: str, device: str, dtype: torch.dtype, quanti
     return coded_weight_bytes(model_path, dtype)
 
 
-def _dense_bytes_not_kept(model_path: str, device: str, dtype: torch.dtype, quantization: str | None) -> int:
+def _blocks_only(args: ServerArgs, device: str) -> bool:
+    """Whether the target's decoder layers keep their GGUF blocks alone (``keeps_blocks_only``, on
+    the torch backend: the JAX one makes its own weights)."""
+    return args.backend != "jax" and keeps_blocks_only(args.quantization, device)
+
+
+def _dense_bytes_not_kept(model_path: str, args: ServerArgs, device: str, dtype: torch.dtype) -> int:
     """The dense bytes of the decoder layers' linears that the integer path never holds (their
     GGUF blocks suffice: ``codes_only_weights``)."""
-    if device != "cpu" or quantization != INTEGER_QUANTIZATION or not int_codes.is_available():
-        return 0
-    if checkpoint_format(model_path) != "gguf":
+    if not _blocks_only(args, device) or checkpoint_format(model_path) != "gguf":
         return 0
     from specserve.loading.gguf import layer_block_weights
 

@@ -64,6 +64,17 @@ class BlockCodes:
         blocks = self.codes.reshape(num_rows, -1, self.sub_block).float()
         return (blocks * self.scales[..., None] + self.mins[..., None]).reshape(num_rows, num_in)
 
+    def rebuilds(self, tensor: torch.Tensor, chunk_values: int = 1 << 20) -> bool:
+        """Whether these blocks give ``tensor``'s values in its dtype, bit for bit up to the sign of
+        zeros (which no FMA chain starting from +0, the kernels', can tell apart). By chunks of rows
+        (~4 MB of float32 each): one temporary the size of a 7B model's matrix cost a page fault
+        per 4 KiB, most of its load's time."""
+        if tensor.dim() != 2 or self.shape != tuple(tensor.shape):
+            return False
+        step = max(1, chunk_values // tensor.shape[1])
+        return all(torch.equal(self.map_rows(lambda rows: rows[r:r + step]).expand().to(tensor.dtype), tensor[r:r + step])
+                   for r in range(0, tensor.shape[0], step))
+
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockCodes:
         """The same row transformation (e.g. a permutation) applied to codes, scales and mins."""
         return BlockCodes(fn(self.codes), fn(self.scales), fn(self.mins), self.bits)

@@ -168,10 +168,16 @@ def codes_only_weights(model: nn.Module, quantization: str | None, device: str) 
     """The parameters that need no dense copy at load (``StrictLoader``'s ``codes_only``) when
     their GGUF blocks suffice (``integer_kernel_takes``): the decoder layers' linear weights, with
     the integer kernels chosen and built here (not a head, whose rows a token map may take)."""
-    if quantization != INTEGER_QUANTIZATION or device != "cpu" or not int_codes.is_available():
+    if not keeps_blocks_only(quantization, device):
         return []
     return [f"{name}.weight" for name, module in model.named_modules()
             if isinstance(module, Linear) and name.startswith("model.layers.")]
+
+
+def keeps_blocks_only(quantization: str | None, device: str) -> bool:
+    """Whether the decoder layers' linears keep their GGUF blocks alone (``codes_only_weights``):
+    the integer kernels chosen, on a CPU that has them built."""
+    return quantization == INTEGER_QUANTIZATION and device == "cpu" and int_codes.is_available()
 
 
 def integer_kernel_takes(codes: BlockCodes) -> bool:
@@ -278,7 +284,7 @@ def _use_skinny(module: Linear) -> bool:
         return False
     module.skinny_bias = None if module.bias is None else module.bias.detach().float()
     codes = getattr(weight, "block_codes", None)
-    if codes is not None and codes.has_records() and _rebuilds(codes, weight):
+    if codes is not None and codes.has_records() and codes.rebuilds(weight.detach()):
         module.coded_records = codes.records(weight.dtype)
         module.coded_format = codes.kernel_format(weight.dtype)
         del weight.block_codes             # the records hold them now (a byte a weight less kept)
@@ -304,19 +310,13 @@ def _use_integer(module: Linear) -> bool:
     if codes is None or not weight.is_contiguous() or not int_codes.is_available():
         return False
     fmt = int_codes.int_format(codes)
-    if fmt is None or not (weight.is_meta or _rebuilds(codes, weight)):   # meta: the loader checked them
+    if fmt is None or not (weight.is_meta or codes.rebuilds(weight.detach())):   # meta: the loader checked them
         return False
     _set_int_panels(module, int_codes.panels(codes, fmt), fmt, in_huge_pages=False)   # _gather_int_panels may move them
     module.coded_records, module.packed_weight, module.skinny_max_rows = None, None, ALL_ROWS
     module.skinny_bias = None if module.bias is None else module.bias.detach().float()
     del weight.block_codes                 # the panels hold them now
     return True
-
-
-def _rebuilds(codes: BlockCodes, weight: torch.Tensor) -> bool:
-    """Whether the code blocks give ``weight``'s values in its dtype: its bits, up to the sign
-    of zeros, which no FMA chain starting from +0 (the kernel's) can tell apart."""
-    return codes.shape == tuple(weight.shape) and torch.equal(codes.expand().to(weight.dtype), weight.detach())
 
 
 def _pack_in_float32(module: Linear) -> None:

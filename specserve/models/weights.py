@@ -168,15 +168,9 @@ def _values(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _rebuilds_exactly(codes: BlockCodes, tensor: torch.Tensor, chunk_values: int = 1 << 20) -> bool:
-    """Whether the codes give the checkpoint tensor's float32 values, bit for bit (up to the sign
-    of zeros). By chunks of rows (~4 MB of float32 each): one temporary the size of a 7B model's
-    matrix cost a page fault per 4 KiB, most of its load's time. A meta tensor's values are its
-    codes' (``_values``)."""
-    if tensor.dim() != 2 or codes.shape != tuple(tensor.shape):
-        return False
+def _rebuilds_exactly(codes: BlockCodes, tensor: torch.Tensor) -> bool:
+    """Whether the codes give the checkpoint tensor's values (``BlockCodes.rebuilds``); a meta
+    tensor's values are its own codes' (``_values``)."""
     if tensor.is_meta:
-        return tensor.block_codes is codes
-    step = max(1, chunk_values // tensor.shape[1])
-    return all(torch.equal(codes.map_rows(lambda rows: rows[r:r + step]).expand(), tensor[r:r + step].float())
-               for r in range(0, tensor.shape[0], step))
+        return codes.shape == tuple(tensor.shape) and getattr(tensor, "block_codes", None) is codes
+    return codes.rebuilds(tensor)

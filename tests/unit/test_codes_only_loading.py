@@ -67,14 +67,13 @@ def test_otherwise_the_weight_holds_the_checkpoint_values(case):
 
 
 def test_the_check_goes_by_chunks_of_rows_to_the_last_one():
-    from specserve.models.weights import _rebuilds_exactly
-
     tensor = _part(ROWS_A + ROWS_B, 2)
-    assert _rebuilds_exactly(tensor.block_codes, tensor, chunk_values=5 * WIDTH)    # chunks of 5, 5 and 2 rows
+    codes = tensor.block_codes
+    assert codes.rebuilds(tensor, chunk_values=5 * WIDTH)    # chunks of 5, 5 and 2 rows
     changed = tensor.clone()
     changed[-1, -1] += 1e-3
-    assert not _rebuilds_exactly(tensor.block_codes, changed, chunk_values=5 * WIDTH)
-    assert not _rebuilds_exactly(tensor.block_codes, tensor[:-1], chunk_values=5 * WIDTH)
+    assert not codes.rebuilds(changed, chunk_values=5 * WIDTH)
+    assert not codes.rebuilds(tensor[:-1], chunk_values=5 * WIDTH)
 
 
 def test_rows_loaded_twice_are_refused():
