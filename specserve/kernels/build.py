@@ -3,15 +3,19 @@
 ``cpu_kernels.c`` (which includes the other C files here) is compiled on first use with the C
 compiler (``$CC`` or ``cc``, OpenMP) into ``$SPECSERVE_CACHE/kernels`` (default
 ``~/.cache/specserve/kernels``), one library per ISA variant (``VARIANTS``, best first: the
-integer kernels of ``int_linear.c`` use AVX-512 VNNI where built so, AVX2 otherwise; attention
-uses AVX-512 where built so and AVX-512 BF16's ``vdpbf16ps`` over a bfloat16 cache in the
-``avx512_bf16`` build, with the same bits as the FMAs of the others), named by the variant and
+integer kernels of ``int_linear.c`` use AVX-512 VNNI where built so, AVX2 otherwise, and in the
+``avx512_amx`` build AMX tiles for 4 or more input rows; attention uses AVX-512 where built so
+and AVX-512 BF16's ``vdpbf16ps`` over a bfloat16 cache from the ``avx512_bf16`` build up, with
+the same bits as the FMAs of the others), named by the variant and
 a hash of every C source and header here and the flags, and reused; building a new version
 deletes other versions' builds older than a week.
 
 Runtime dispatch: ``load()`` takes the best variant this CPU runs (``/proc/cpuinfo`` flags),
 or the best at or below ``$SPECSERVE_ISA`` (e.g. ``avx2``: test a lower variant on a higher
-CPU); a variant that fails to build (an old compiler without the ISA's flags) gives way to the
+CPU). ``avx512_amx`` has not yet run on an AMX CPU, so it is a candidate only with
+``$SPECSERVE_AMX=1`` (its logic is tested everywhere through ``EMULATED_AMX``, a build of the
+same code over a C model of the tile instructions); loading it asks Linux for the tile state
+(``int_amx_enable``) and gives way to the next variant if refused. A variant that fails to build (an old compiler without the ISA's flags) gives way to the
 next one down. It returns None where nothing can be built or loaded (no compiler, a CPU
 without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep torch's kernels.
 """
@@ -46,14 +50,21 @@ class Variant:
     level: int                        # int_linear.c's IQ_LEVEL for this build
 
 
+_AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16")
+_AVX512_BF16_CPU = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
 VARIANTS = (    # best first
-    Variant("avx512_bf16", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"),
-            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"), 3),
+    Variant("avx512_amx", (*_AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-int8"),
+            (*_AVX512_BF16_CPU, "amx_tile", "amx_int8"), 4),
+    Variant("avx512_bf16", _AVX512_BF16_FLAGS, _AVX512_BF16_CPU, 3),
     Variant("avx512_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"), 2),
     Variant("avx2", (), ("avx2", "fma", "f16c"), 1),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+# avx512_amx has not run on an AMX CPU yet: it is a candidate only where this is set to 1
+AMX_SWITCH = "SPECSERVE_AMX"
+# avx512_amx's code over a C model of the tile instructions (int_amx.h), for tests on any AVX-512 CPU
+EMULATED_AMX = Variant("avx512_amx_emulated", (*_AVX512_BF16_FLAGS, "-DIQ_AMX_EMULATE"), _AVX512_BF16_CPU, 4)
 
 
 SOURCE_DIR = Path(__file__).parent
@@ -80,7 +91,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def variant_name() -> str:
-    """The ISA variant of the loaded kernels ("avx512_bf16", "avx512_vnni", "avx2"), or "none"."""
+    """The ISA variant of the loaded kernels ("avx512_amx", "avx512_bf16", "avx512_vnni", "avx2"), or
+    "none"."""
     library = load()
     if library is None:
         return "none"
@@ -89,8 +101,10 @@ def variant_name() -> str:
 
 
 def candidate_variants() -> list[Variant]:
-    """The variants this CPU runs, best first, at or below ``$SPECSERVE_ISA`` if set."""
-    runnable = [v for v in VARIANTS if cpu_runs(v)]
+    """The variants this CPU runs, best first, at or below ``$SPECSERVE_ISA`` if set; avx512_amx
+    only with ``$SPECSERVE_AMX=1``."""
+    amx = os.environ.get(AMX_SWITCH, "0").strip() == "1"
+    runnable = [v for v in VARIANTS if cpu_runs(v) and (amx or v.name != "avx512_amx")]
     forced = os.environ.get("SPECSERVE_ISA", "").strip().lower()
     if forced:
         if forced not in VARIANT_NAMES:
@@ -123,7 +137,7 @@ def cpu_flags() -> frozenset[str]:
 def load_variant(name: str) -> ctypes.CDLL | None:
     """Variant ``name``'s library, built if needed; None if this CPU cannot run it or it fails
     to build or load."""
-    variant = VARIANTS[VARIANT_NAMES.index(name)]
+    variant = EMULATED_AMX if name == EMULATED_AMX.name else VARIANTS[VARIANT_NAMES.index(name)]
     if not cpu_runs(variant):
         return None
     try:
@@ -133,6 +147,9 @@ def load_variant(name: str) -> ctypes.CDLL | None:
         return None
     if _level_function(library)() != variant.level:
         logger.warning("the %s CPU kernels built as another variant; not used", name)
+        return None
+    if variant.level == 4 and function_of(library, "int_amx_enable", [])() != 0:
+        logger.warning("the %s CPU kernels are not used: the OS refused this process the AMX tile state", name)
         return None
     return library
 

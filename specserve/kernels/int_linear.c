@@ -307,10 +307,26 @@ static inline __attribute__((always_inline)) void iq_chunk_pair(const uint8_t *c
     }
 }
 
+/* block b's 16 scales dw and mins mw (F8H and Q6: the first half's scales and the second's) */
+static inline __attribute__((always_inline)) void iq_block_scales16(const uint8_t *panel, int fmt, int nb, int b,
+                                                                    __m512 *dw, __m512 *mw) {
+    const int rec = iq_record_bytes(fmt), f32 = iq_is_f32(fmt);
+    const uint8_t *p = panel + (long)b * rec;
+    if (fmt == IQ_K4) {
+        const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
+        *dw = iq_k4_scales16(super, p);
+        *mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(iq_k4_scales16(super + 32, p + 16)),
+                                                   _mm512_set1_epi32((int)0x80000000u)));      /* -(dmin * m) */
+    } else {
+        *dw = iq_scales16(p, f32);
+        *mw = iq_has_min(fmt) || iq_has_halves(fmt) ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
+    }
+}
+
 /* R input rows (from m0) x one panel, AVX-512 VNNI: out[r][i] = row m0 + r, weight row i */
 static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, int fmt, const iq_input *a,
                                                           long m0, int R, float out[][IQ_ROWS]) {
-    const int rec = iq_record_bytes(fmt), nb = a->nb, f32 = iq_is_f32(fmt), halves = iq_has_halves(fmt);
+    const int rec = iq_record_bytes(fmt), nb = a->nb, halves = iq_has_halves(fmt);
     const long first = iq_block_index(a, m0, 0);
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -319,16 +335,7 @@ static inline __attribute__((always_inline)) void iq_tile(const uint8_t *panel, 
         const long i0 = iq_next_block(a, first, b);    /* row m0 + r's block b: i0 + r */
         for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
         __m512 dw, mw;
-        if (fmt == IQ_K4) {
-            const uint8_t *super = panel + (long)nb * rec + (long)(b / 8) * 64;
-            dw = iq_k4_scales16(super, p);
-            mw = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(iq_k4_scales16(super + 32, p + 16)),
-                                                      _mm512_set1_epi32((int)0x80000000u)));      /* -(dmin * m) */
-        } else {
-            dw = iq_scales16(p, f32);                   /* F8H: the first half's scales */
-            mw = iq_has_min(fmt) || halves              /* the mins; F8H: the second half's scales */
-                     ? iq_scales16(p + (f32 ? 64 : 32), f32) : _mm512_setzero_ps();
-        }
+        iq_block_scales16(panel, fmt, nb, b, &dw, &mw);
         /* rows in groups of 8, two dpbusd chains each (the block's halves: chunks 0-3 are
            weights 0..15, chunks 4-7 weights 16..31), interleaved in program order: 16
            independent chains in flight hide vpdpbusd's latency, where one row's 8-long chain
@@ -596,14 +603,20 @@ static const iq_tile_fn IQ_TILE_FNS[IQ_NUM_FORMATS][16] = {
     IQ_ROW_FNS(IQ_Q4_0), IQ_ROW_FNS(IQ_Q4_1), IQ_ROW_FNS(IQ_Q8_0), IQ_ROW_FNS(IQ_F4), IQ_ROW_FNS(IQ_F8), IQ_ROW_FNS(IQ_F8H),
     IQ_ROW_FNS(IQ_Q5_0), IQ_ROW_FNS(IQ_Q5_1), IQ_ROW_FNS(IQ_Q6), IQ_ROW_FNS(IQ_K4)};
 
-/* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N) */
+/* a thread's AMX tile configuration: the input rows and kind of format it was set for (0 rows: none) */
+typedef struct { int rows, halves; } iq_amx_state;
+#include "int_amx.h"
+
+/* rows [m0, m1) x panel `pnl` into y (float32 or bfloat16, stride N); amx: this thread's tile
+   configuration (AMX builds: tiles of at least IQ_AMX_MIN_ROWS rows go to the AMX tile) */
 static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long m0, long m1, int pnl,
-                          const float *bias, void *y, int N, int is_bf16) {
+                          const float *bias, void *y, int N, int is_bf16, iq_amx_state *amx) {
     float out[IQ_TILE][IQ_ROWS];
     const int n0 = pnl * IQ_ROWS, nn = N - n0 < IQ_ROWS ? N - n0 : IQ_ROWS;
     for (long m = m0; m < m1;) {
         const int r = m1 - m < IQ_TILE ? (int)(m1 - m) : IQ_TILE;
-        IQ_TILE_FNS[fmt - 1][r - 1](panel, a, m, out);
+        if (IQ_AMX && r >= IQ_AMX_MIN_ROWS) iq_tile_amx(panel, fmt, a, m, r, out, amx);
+        else IQ_TILE_FNS[fmt - 1][r - 1](panel, a, m, out);
         for (int t = 0; t < r; t++)
             for (int i = 0; i < nn; i++)
                 set_elem(y, (m + t) * N + n0 + i, out[t][i] + (bias ? bias[n0 + i] : 0.0f), is_bf16);
@@ -659,13 +672,15 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
     /* panel-major: a thread's share is a range of panels, each taken for every chunk of rows
        in turn (while it is in cache); chunk-major gave one thread the first 64 rows and the
        other the rest (79 rows: 64 against 15) and streamed the weights once per chunk */
+    iq_amx_state amx = {0, 0};
     #pragma omp for schedule(static)
     for (long it = 0; it < items; it++) {
         const long chunk = it % num_chunks, m0 = chunk * IQ_CHUNK_ROWS;
         const long m1 = m0 + IQ_CHUNK_ROWS < M ? m0 + IQ_CHUNK_ROWS : M;
         const int pnl = (int)(it / num_chunks);
-        iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16);
+        iq_panel_rows(panels + pnl * panel_bytes, fmt, &a, m0, m1, pnl, bias, y, N, is_bf16, &amx);
     }
+    iq_amx_release(&amx);     /* the tiles back to their initial state for whatever runs next */
     if (!scratch) {
         #pragma omp single nowait
         iq_input_free(&a);
@@ -674,9 +689,12 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
 }
 
 /* which variant this library was built as: 1 avx2, 2 avx512_vnni, 3 avx512_bf16 (the integer
-   kernels of avx512_vnni; attention's bfloat16 products by vdpbf16ps) */
+   kernels of avx512_vnni; attention's bfloat16 products by vdpbf16ps), 4 avx512_amx (avx512_bf16's,
+   AMX tiles for 4 or more input rows; also its emulated build) */
 int int_kernel_level(void) {
-#ifdef __AVX512BF16__
+#if IQ_AMX
+    return 4;
+#elif defined(__AVX512BF16__)
     return IQ_LEVEL + 1;
 #else
     return IQ_LEVEL;

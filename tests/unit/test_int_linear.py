@@ -203,6 +203,7 @@ def test_forcing_the_variant_down(monkeypatch):
     monkeypatch.setenv("SPECSERVE_ISA", "avx2")
     assert [v.name for v in build.candidate_variants()] == (["avx2"] if build.cpu_runs(build.VARIANTS[-1]) else [])
     monkeypatch.setenv("SPECSERVE_ISA", "no-such-isa")           # ignored, with a warning
+    monkeypatch.setenv(build.AMX_SWITCH, "1")
     assert build.candidate_variants() == [v for v in build.VARIANTS if build.cpu_runs(v)]
 
 
