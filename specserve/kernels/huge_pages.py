@@ -72,15 +72,22 @@ class Arena:
     def place(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A copy of the contiguous CPU ``tensor`` in the arena; None (nothing copied) off Linux
         or where ``madvise`` refuses."""
-        nbytes = tensor.numel() * tensor.element_size()
+        copy = self.allocate(tuple(tensor.shape), tensor.dtype)
+        if copy is not None:
+            copy.copy_(tensor)
+        return copy
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
+        """An uninitialized tensor in the arena, to be written once (the integer panels are packed
+        straight into it); None off Linux or where ``madvise`` refuses."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if self._block is None or self._offset + nbytes > self._block.numel():
             self._block, self._offset = _advised_block(max(self.block_bytes, nbytes)), 0
             if self._block is None:
                 return None
-        copy = self._block[self._offset:self._offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        copy.copy_(tensor)
+        out = self._block[self._offset:self._offset + nbytes].view(dtype).view(tuple(shape))
         self._offset += _round_up(nbytes, ALIGN)
-        return copy
+        return out
 
 
 def _advised_block(nbytes: int) -> torch.Tensor | None:

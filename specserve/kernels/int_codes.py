@@ -14,6 +14,7 @@ as 6 bits) or F8H (other 8-bit codes).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -112,9 +113,13 @@ def _eight_bit_format(codes: BlockCodes) -> int:
     return INT_Q5_1 if 0 <= low and high <= 31 and _is_float16(codes.mins) else INT_F8
 
 
-def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
-    """uint8 [ceil(N / 16), K / 32 * record_bytes(fmt)]: the weights as the kernel reads them
-    (rows past N are zero)."""
+def panels(codes: BlockCodes, fmt: int, library: ctypes.CDLL | None = None, in_numpy: bool = False,
+           allocate: Callable[[tuple[int, int]], torch.Tensor | None] | None = None) -> torch.Tensor:
+    """uint8 [ceil(N / 16), K / 32 * record_bytes(fmt) (+ K4's super-block tail)]: the weights as
+    the kernel reads them (rows past N are zero). The code bytes are packed by the kernels'
+    ``int_pack_codes`` (``library``, default the loaded kernels) where there are kernels, else (or
+    ``in_numpy``) by numpy. ``allocate(shape)``: where to write them (e.g. a huge-page arena's
+    memory), or None for a tensor of their own."""
     num_rows, num_in = codes.shape
     num_blocks, num_panels = num_in // CODE_BLOCK, -(-num_rows // PANEL_ROWS)
     pad = num_panels * PANEL_ROWS - num_rows
@@ -124,14 +129,36 @@ def panels(codes: BlockCodes, fmt: int) -> torch.Tensor:
         return a.reshape(num_panels, PANEL_ROWS, *a.shape[1:])
 
     factors = k_quant_factors(codes) if fmt == INT_K4 else None
-    parts = _header(codes, fmt, by_panel, factors) + _code_chunks(codes, fmt, by_panel)
-    records = np.concatenate([np.ascontiguousarray(p).view(np.uint8).reshape(num_panels, num_blocks, -1)
-                              for p in parts], axis=-1).reshape(num_panels, -1)
+    pack = None if in_numpy else _pack_function(library)
+    parts = _header(codes, fmt, by_panel, factors) + ([] if pack else _code_chunks(codes, fmt, by_panel))
+    body_bytes = num_blocks * record_bytes(fmt)
+    shape = (num_panels, body_bytes + (num_blocks // 8 * 64 if factors is not None else 0))
+    out = allocate(shape) if allocate is not None else None
+    out = torch.empty(shape, dtype=torch.uint8) if out is None else out
+    records = out.numpy()
+    body, at = records[:, :body_bytes].reshape(num_panels, num_blocks, -1), 0
+    for part in parts:                                # headers (and numpy's code bytes) into place
+        part = np.ascontiguousarray(part).view(np.uint8).reshape(num_panels, num_blocks, -1)
+        body[:, :, at:at + part.shape[-1]] = part
+        at += part.shape[-1]
     if factors is not None:                           # the super-blocks' float16 d[16], dmin[16] after the records
         d, _, dmin, _ = factors
         tail = np.concatenate([by_panel(d).transpose(0, 2, 1), by_panel(dmin).transpose(0, 2, 1)], axis=-1)
-        records = np.concatenate([records, np.ascontiguousarray(tail).view(np.uint8).reshape(num_panels, -1)], axis=-1)
-    return torch.from_numpy(np.ascontiguousarray(records))
+        records[:, body_bytes:] = np.ascontiguousarray(tail).view(np.uint8).reshape(num_panels, -1)
+    if pack:                                          # the code bytes in C, after the headers
+        source = codes.codes.contiguous() if codes.codes.element_size() == 1 else codes.codes.to(torch.int8)
+        if pack(source.data_ptr(), num_rows, num_in, fmt, CODE_OFFSET.get(fmt, 0), out.data_ptr(), shape[1]) != 0:
+            raise RuntimeError(f"int_pack_codes rejected codes {tuple(codes.shape)} as format {fmt}")
+    return out
+
+
+def _pack_function(library: ctypes.CDLL | None):
+    """The kernels' int_pack_codes (``library``'s, default the loaded one's), or None without them."""
+    library = library if library is not None else build.load()
+    if library is None:
+        return None
+    return build.function_of(library, "int_pack_codes", [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_long])
 
 
 def _header(codes: BlockCodes, fmt: int, by_panel, factors: tuple[np.ndarray, ...] | None) -> list[np.ndarray]:

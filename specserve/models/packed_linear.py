@@ -192,12 +192,18 @@ def pack_codes_only(module: Linear, arena: huge_pages.Arena | None = None) -> No
     at a time), those moved into ``arena`` (huge pages) at once, unless packed already."""
     if _keeps_integer(module):
         return
-    if not _use_integer(module):
+    in_arena = []
+
+    def allocate(shape: tuple[int, int]) -> torch.Tensor | None:     # the panels packed straight into the arena
+        out = arena.allocate(shape) if arena is not None else None
+        in_arena.append(out is not None)
+        return out
+
+    if not _use_integer(module, allocate):
         raise RuntimeError(f"a linear of shape {tuple(module.weight.shape)} was loaded without its dense "
                            f"weight, and its blocks cannot be packed for the integer kernel")
-    copy = arena.place(module.int_panels) if arena is not None else None
-    if copy is not None:
-        _set_int_panels(module, copy, module.int_format, in_huge_pages=True)
+    if any(in_arena):
+        _set_int_panels(module, module.int_panels, module.int_format, in_huge_pages=True)
 
 
 def _gather_int_panels(model: nn.Module) -> None:
@@ -302,9 +308,10 @@ def _keeps_integer(module: Linear) -> bool:
     return module.int_panels is not None and native is not None and (native.dense or 0) == module.weight.data_ptr()
 
 
-def _use_integer(module: Linear) -> bool:
+def _use_integer(module: Linear, allocate=None) -> bool:
     """Route every input to the integer kernel over the weight's GGUF blocks, if it has blocks
-    the kernel takes and the kernels are built here."""
+    the kernel takes and the kernels are built here (``allocate``: where the panels go, as
+    ``int_codes.panels`` takes it)."""
     weight = module.weight
     codes = getattr(weight, "block_codes", None)
     if codes is None or not weight.is_contiguous() or not int_codes.is_available():
@@ -312,7 +319,8 @@ def _use_integer(module: Linear) -> bool:
     fmt = int_codes.int_format(codes)
     if fmt is None or not (weight.is_meta or codes.rebuilds(weight.detach())):   # meta: the loader checked them
         return False
-    _set_int_panels(module, int_codes.panels(codes, fmt), fmt, in_huge_pages=False)   # _gather_int_panels may move them
+    _set_int_panels(module, int_codes.panels(codes, fmt, allocate=allocate), fmt,
+                    in_huge_pages=False)   # _gather_int_panels may move them
     module.coded_records, module.packed_weight, module.skinny_max_rows = None, None, ALL_ROWS
     module.skinny_bias = None if module.bias is None else module.bias.detach().float()
     del weight.block_codes                 # the panels hold them now

@@ -128,6 +128,22 @@ def test_panel_layout():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_kernels_pack_the_panels_numpy_packs(kind):
+    """int_pack_codes (C, what loading uses) writes numpy's panels, byte for byte, rows past N
+    included."""
+    codes = _codes(kind, 37, _width(kind, 320), seed=7)
+    fmt = KINDS[kind]
+    assert torch.equal(int_codes.panels(codes, fmt), int_codes.panels(codes, fmt, in_numpy=True))
+    if kind == Q.Q6_K:                                  # F8H: 8-bit codes, a scale per 16 weights
+        from specserve.kernels.coded import BlockCodes
+        from specserve.kernels.int_codes import INT_F8H
+
+        wide = BlockCodes(codes.codes * 2, codes.scales, codes.mins, 8)
+        assert torch.equal(int_codes.panels(wide, INT_F8H), int_codes.panels(wide, INT_F8H, in_numpy=True))
+
+
+@needs_kernel
 def test_activation_quantization_matches_reference():
     x = _inputs(5, 128, seed=6)
     q, d, ds, _ = int_codes.quantize_rows(x, INT_Q4_1)
