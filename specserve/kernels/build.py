@@ -15,9 +15,10 @@ or the best at or below ``$SPECSERVE_ISA`` (e.g. ``avx2``: test a lower variant 
 CPU). ``avx512_amx`` has not yet run on an AMX CPU, so it is a candidate only with
 ``$SPECSERVE_AMX=1`` (its logic is tested everywhere through ``EMULATED_AMX``, a build of the
 same code over a C model of the tile instructions); loading it asks Linux for the tile state
-(``int_amx_enable``) and gives way to the next variant if refused. A variant that fails to build (an old compiler without the ISA's flags) gives way to the
-next one down. It returns None where nothing can be built or loaded (no compiler, a CPU
-without AVX2, ``SPECSERVE_KERNELS=0``): callers then keep torch's kernels.
+(``int_amx_enable``) and gives way to the next variant if refused. A variant that fails to
+build (an old compiler without the ISA's flags) gives way to the next one down. It returns None
+where nothing can be built or loaded (no compiler, a CPU without AVX2, ``SPECSERVE_KERNELS=0``):
+callers then keep torch's kernels.
 """
 from __future__ import annotations
 

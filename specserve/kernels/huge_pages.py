@@ -58,24 +58,16 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 class Arena:
-    """Copies of read-only tensors side by side in blocks advised huge, a block at a time as the
-    tensors come: what ``gather`` gives, without holding every original and its copy at once
-    (for a 7B GGUF's integer panels made one weight at a time while loading, 3.6 GB less at the
-    peak). A block is ``block_bytes`` (or one larger tensor); the pages of its unused tail are
-    never touched, so never resident."""
+    """Room for read-only tensors side by side in blocks advised huge, a block at a time as the
+    tensors come: what ``gather`` gives, without holding every original and its copy at once (a
+    7B GGUF's integer panels are packed into it one weight at a time while loading: 3.6 GB less
+    at the peak than copies made at the end). A block is ``block_bytes`` (or one larger tensor);
+    the pages of its unused tail are never touched, so never resident."""
 
     def __init__(self, block_bytes: int = 64 << 20) -> None:
         self.block_bytes = block_bytes
         self._block: torch.Tensor | None = None
         self._offset = 0
-
-    def place(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """A copy of the contiguous CPU ``tensor`` in the arena; None (nothing copied) off Linux
-        or where ``madvise`` refuses."""
-        copy = self.allocate(tuple(tensor.shape), tensor.dtype)
-        if copy is not None:
-            copy.copy_(tensor)
-        return copy
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
         """An uninitialized tensor in the arena, to be written once (the integer panels are packed
