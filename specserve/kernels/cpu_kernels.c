@@ -4,3 +4,4 @@
 #include "decoder_layer.c"
 #include "ngram_trie.c"
 #include "ngram_corpus.c"
+#include "block_unpack.c"

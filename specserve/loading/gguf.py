@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from specserve.config import ModelConfig
-from specserve.kernels import os_memory
+from specserve.kernels import block_unpack, os_memory
 from specserve.kernels.coded import CODE_BLOCK, RECORD_BYTES, BlockCodes, kernel_format_for
 from specserve.loading import gguf_blocks
 
@@ -220,7 +220,9 @@ def block_codes(tensor) -> BlockCodes | None:
         return None
     num_rows, num_in = (int(dim) for dim in reversed(tensor.shape))
     block_bytes = GGML_QUANT_SIZES[tensor.tensor_type][1]
-    codes, scales, mins, bits = reader(np.asarray(tensor.data).reshape(-1, block_bytes))
+    blocks = np.asarray(tensor.data).reshape(-1, block_bytes)
+    fast = block_unpack.unpack(blocks, tensor.tensor_type)      # the kernels' one pass, where they take the type
+    codes, scales, mins, bits = (*fast, gguf_blocks.BITS[tensor.tensor_type]) if fast is not None else reader(blocks)
     as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(num_rows, -1))  # noqa: E731
     return BlockCodes(as_rows(codes), as_rows(scales), as_rows(mins), bits)
 

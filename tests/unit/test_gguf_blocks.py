@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from specserve.kernels import int_codes
+from specserve.kernels import block_unpack, int_codes
 from specserve.loading import gguf_blocks
 from specserve.loading.gguf import block_codes
 from tests.unit.test_int_linear import KINDS, _inputs, _int_linear_ref, _width, needs_kernel, raw_blocks
@@ -29,6 +30,19 @@ def test_codes_rebuild_ggufs_dequantization_bit_for_bit(kind):
     expected = np.asarray(dequantize(tensor.data, kind), dtype=np.float32).reshape(rows, cols)
     assert codes.bits == gguf_blocks.BITS[kind]
     assert torch.equal(codes.expand(), torch.from_numpy(expected))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(block_unpack.FAST_TYPES))
+def test_the_kernels_unpack_what_the_numpy_readers_read(kind):
+    """block_unpack.c (what block_codes takes for these types) gives the readers' codes (and their
+    dtype), scales and mins, bit for bit: rebuilding gguf-py's values is tested above through it."""
+    raw = raw_blocks(kind, 9, 256, seed=41).reshape(-1, GGML_QUANT_SIZES[kind][1])
+    raw[0, :2] = np.array([1.0e-7], np.float16).view(np.uint8)          # a subnormal float16 scale
+    fast, (codes, scales, mins, _) = block_unpack.unpack(raw, kind), gguf_blocks.READERS[kind](raw)
+    assert fast[0].dtype == codes.dtype and np.array_equal(fast[0], codes)
+    assert np.array_equal(fast[1].view(np.uint32), scales.view(np.uint32))
+    assert np.array_equal(fast[2].view(np.uint32), mins.view(np.uint32))
 
 
 def test_every_reader_has_a_kernel_format():
