@@ -59,6 +59,7 @@ VARIANTS = (    # best first
     Variant("avx512_bf16", _AVX512_BF16_FLAGS, _AVX512_BF16_CPU, 3),
     Variant("avx512_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"), 2),
+    Variant("avx_vnni", ("-mavxvnni",), ("avx2", "fma", "f16c", "avx_vnni"), 5),
     Variant("avx2", (), ("avx2", "fma", "f16c"), 1),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)
@@ -66,6 +67,10 @@ VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 AMX_SWITCH = "SPECSERVE_AMX"
 # avx512_amx's code over a C model of the tile instructions (int_amx.h), for tests on any AVX-512 CPU
 EMULATED_AMX = Variant("avx512_amx_emulated", (*_AVX512_BF16_FLAGS, "-DIQ_AMX_EMULATE"), _AVX512_BF16_CPU, 4)
+# avx_vnni's 256-bit integer tile through vpdpbusd's AVX-512 (EVEX) encoding, for tests on AVX-512 CPUs
+_AVX512_VNNI = VARIANTS[VARIANT_NAMES.index("avx512_vnni")]
+EVEX_AVX_VNNI = Variant("avx_vnni_evex", (*_AVX512_VNNI.flags, "-DIQ_TILE_256"), _AVX512_VNNI.cpu_flags, 5)
+TEST_BUILDS = {v.name: v for v in (EMULATED_AMX, EVEX_AVX_VNNI)}
 
 
 SOURCE_DIR = Path(__file__).parent
@@ -92,8 +97,8 @@ def load() -> ctypes.CDLL | None:
 
 
 def variant_name() -> str:
-    """The ISA variant of the loaded kernels ("avx512_amx", "avx512_bf16", "avx512_vnni", "avx2"), or
-    "none"."""
+    """The ISA variant of the loaded kernels ("avx512_amx", "avx512_bf16", "avx512_vnni", "avx_vnni",
+    "avx2"), or "none"."""
     library = load()
     if library is None:
         return "none"
@@ -138,7 +143,7 @@ def cpu_flags() -> frozenset[str]:
 def load_variant(name: str) -> ctypes.CDLL | None:
     """Variant ``name``'s library, built if needed; None if this CPU cannot run it or it fails
     to build or load."""
-    variant = EMULATED_AMX if name == EMULATED_AMX.name else VARIANTS[VARIANT_NAMES.index(name)]
+    variant = TEST_BUILDS[name] if name in TEST_BUILDS else VARIANTS[VARIANT_NAMES.index(name)]
     if not cpu_runs(variant):
         return None
     try:

@@ -49,7 +49,7 @@
 enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5, IQ_F8H = 6, IQ_Q5_0 = 7, IQ_Q5_1 = 8,
        IQ_Q6 = 9, IQ_K4 = 10, IQ_NUM_FORMATS = 10 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(IQ_TILE_256)
 #define IQ_LEVEL 2            /* avx512_vnni */
 #define IQ_TILE 16            /* input rows per register tile (16 accumulators + 8 weight vectors) */
 #define IQ_GROUP 8             /* rows whose integer sums run interleaved (two chains each) */
@@ -65,6 +65,16 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5,
    within +-3%. */
 #define IQ_PREFETCH_BYTES 4096
 #define IQ_PREFETCH_HINT _MM_HINT_NTA
+/* AVX-VNNI (AVX2 CPUs with vpdpbusd on 256 bits: Intel's since Alder Lake, its E-core Xeons): the
+   256-bit tile's sums by vpdpbusd, one instruction a chunk where vpmaddubsw + vpmaddwd (and a
+   16-bit add) took two or three; the same exact int32 sums, so the same bits. IQ_TILE_256 with
+   AVX-512 VNNI: the same tile through vpdpbusd's EVEX encoding (the instruction's other form),
+   for tests on AVX-512 CPUs. */
+#if defined(__AVXVNNI__)
+#define IQ_DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define IQ_DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
 #endif
 
 static inline int iq_is_f32(int fmt) { return (fmt >= IQ_F4 && fmt <= IQ_F8H) || fmt == IQ_Q6; }   /* float32 scales */
@@ -463,6 +473,15 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                 lo = _mm256_set1_epi32(halves ? a->start_lo[i] : a->start[i]);
                 if (halves) hi = _mm256_set1_epi32(a->start[i] - a->start_lo[i]);
             }
+#ifdef IQ_DPBUSD256
+            for (int j = 0; j < 8; j++) {         /* int8 codes as |c| against q with c's sign */
+                const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
+                const __m256i u = iq_is_signed(fmt) ? _mm256_abs_epi8(w[j]) : w[j];
+                const __m256i sq = iq_is_signed(fmt) ? _mm256_sign_epi8(qv, w[j]) : qv;
+                if (j < 4) lo = IQ_DPBUSD256(lo, u, sq);
+                else hi = IQ_DPBUSD256(hi, u, sq);
+            }
+#else
             if (iq_is_signed(fmt)) {
                 for (int j = 0; j < 8; j++) {
                     const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
@@ -484,6 +503,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                     }
                 }
             }
+#endif
             if (halves) {
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lo), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(hi), acc[r]);
@@ -511,10 +531,16 @@ static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const int8_t *q = a->q + (i0 + r) * IQ_K;
             const __m256i qa = _mm256_set1_epi32(iq_load4(q + 4 * j)), qb = _mm256_set1_epi32(iq_load4(q + 16 + 4 * j));
+#ifdef IQ_DPBUSD256                         /* 32-bit sums at once */
+            const __m256i zero = _mm256_setzero_si256();
+            t[r][0] = IQ_DPBUSD256(IQ_DPBUSD256(j == 0 ? zero : t[r][0], lo0, qa), hi0, qb);
+            t[r][1] = IQ_DPBUSD256(IQ_DPBUSD256(j == 0 ? zero : t[r][1], lo1, qa), hi1, qb);
+#else
             const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, qa), _mm256_maddubs_epi16(hi0, qb));
             const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, qa), _mm256_maddubs_epi16(hi1, qb));
             t[r][0] = j == 0 ? p0 : _mm256_add_epi16(t[r][0], p0);
             t[r][1] = j == 0 ? p1 : _mm256_add_epi16(t[r][1], p1);
+#endif
             __asm__ volatile("" : "+x"(t[r][0]), "+x"(t[r][1]));
         }
     }
@@ -531,10 +557,17 @@ static inline __attribute__((always_inline)) void iq_int8_sums(const uint8_t *co
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const int8_t *q = a->q + (i0 + r) * IQ_K;
             const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
+#ifdef IQ_DPBUSD256
+            const __m256i zero = _mm256_setzero_si256();
+            t[r][0] = IQ_DPBUSD256(j == 0 ? zero : t[r][0], abs0, _mm256_sign_epi8(qv, w0));
+            t[r][1] = IQ_DPBUSD256(j == 0 ? zero : t[r][1], abs1, _mm256_sign_epi8(qv, w1));
+            (void)ones;
+#else
             const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(qv, w0)), ones);
             const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(qv, w1)), ones);
             t[r][0] = j == 0 ? p0 : _mm256_add_epi32(t[r][0], p0);
             t[r][1] = j == 0 ? p1 : _mm256_add_epi32(t[r][1], p1);
+#endif
             __asm__ volatile("" : "+x"(t[r][0]), "+x"(t[r][1]));
         }
     }
@@ -564,7 +597,11 @@ static inline __attribute__((always_inline)) void iq_whole(const uint8_t *panel,
             const long i = i0 + r;
             const __m256 dx = _mm256_set1_ps(a->d[i]);
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+#ifdef IQ_DPBUSD256
+                __m256i s = t[r][h];                 /* 32-bit sums already */
+#else
                 __m256i s = iq_is_nibble(fmt) ? _mm256_madd_epi16(t[r][h], _mm256_set1_epi16(1)) : t[r][h];
+#endif
                 if (!iq_starts_at_zero(fmt)) s = _mm256_add_epi32(_mm256_set1_epi32(a->start[i]), s);
                 __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(dw[h], dx), _mm256_cvtepi32_ps(s), acc[r][h]);
                 if (iq_has_min(fmt)) v = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a->ds[i]), v);
@@ -690,10 +727,13 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
 
 /* which variant this library was built as: 1 avx2, 2 avx512_vnni, 3 avx512_bf16 (the integer
    kernels of avx512_vnni; attention's bfloat16 products by vdpbf16ps), 4 avx512_amx (avx512_bf16's,
-   AMX tiles for 4 or more input rows; also its emulated build) */
+   AMX tiles for 4 or more input rows; also its emulated build), 5 avx_vnni (avx2's with the
+   256-bit tile's sums by vpdpbusd) */
 int int_kernel_level(void) {
 #if IQ_AMX
     return 4;
+#elif IQ_LEVEL == 1 && defined(IQ_DPBUSD256)
+    return 5;                 /* avx_vnni (and its test build over AVX-512's encoding) */
 #elif defined(__AVX512BF16__)
     return IQ_LEVEL + 1;
 #else
