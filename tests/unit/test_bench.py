@@ -573,3 +573,22 @@ def test_load_memory_loads_a_synthetic_gguf_as_blocks_and_decodes(tmp_path, caps
     args.variants = "lean,sparse"
     with pytest.raises(ValueError, match="--variants"):
         load_memory.run(args)
+
+
+@pytest.mark.skipif(not int_codes.is_available(), reason="CPU kernels not built here (no AVX2 or no C compiler)")
+def test_int_linears_times_each_build_and_refuses_unknown_ones(monkeypatch, capsys):
+    import torch
+
+    from specserve.bench import int_linears
+
+    monkeypatch.setattr("sys.argv", ["int_linears", "--variants", "avx2,avx2", "--rows", "1,3", "--layers", "1",
+                                     "--repeats", "2", "--threads", "1"])
+    int_linears.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "rows " in line]
+    assert [line.split()[0] for line in lines] == ["1", "3"] and all("avx2" in line for line in lines)
+    monkeypatch.setattr("sys.argv", ["int_linears", "--variants", "no-such-build"])
+    with pytest.raises(SystemExit) as exit_info:
+        int_linears.main()
+    assert exit_info.value.code == 2
+    codes = int_linears.random_q4_1(16, 64, torch.Generator().manual_seed(1))
+    assert int_codes.int_format(codes) == int_codes.INT_Q4_1
