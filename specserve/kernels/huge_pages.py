@@ -50,7 +50,7 @@ def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor whose whole 2 MiB pages are advised huge (a plain
     ``torch.empty`` off Linux, under one huge page, or where ``madvise`` refuses)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     block = _advised_block(nbytes) if nbytes >= HUGE_PAGE else None
     if block is None:
         return torch.empty(shape, dtype=dtype)
@@ -72,7 +72,7 @@ class Arena:
     def allocate(self, shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor | None:
         """An uninitialized tensor in the arena, to be written once (the integer panels are packed
         straight into it); None off Linux or where ``madvise`` refuses."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = _nbytes(shape, dtype)
         if self._block is None or self._offset + nbytes > self._block.numel():
             self._block, self._offset = _advised_block(max(self.block_bytes, nbytes)), 0
             if self._block is None:
@@ -97,6 +97,10 @@ def _advised_block(nbytes: int) -> torch.Tensor | None:
 
 def _advise_huge(address: int, length: int) -> bool:
     return os_memory.advise(address, length, os_memory.MADV_HUGEPAGE)
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def _round_up(value: int, multiple: int) -> int:

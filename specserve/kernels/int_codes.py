@@ -113,13 +113,12 @@ def _eight_bit_format(codes: BlockCodes) -> int:
     return INT_Q5_1 if 0 <= low and high <= 31 and _is_float16(codes.mins) else INT_F8
 
 
-def panels(codes: BlockCodes, fmt: int, library: ctypes.CDLL | None = None, in_numpy: bool = False,
+def panels(codes: BlockCodes, fmt: int, in_numpy: bool = False,
            allocate: Callable[[tuple[int, int]], torch.Tensor | None] | None = None) -> torch.Tensor:
     """uint8 [ceil(N / 16), K / 32 * record_bytes(fmt) (+ K4's super-block tail)]: the weights as
-    the kernel reads them (rows past N are zero). The code bytes are packed by the kernels'
-    ``int_pack_codes`` (``library``, default the loaded kernels) where there are kernels, else (or
-    ``in_numpy``) by numpy. ``allocate(shape)``: where to write them (e.g. a huge-page arena's
-    memory), or None for a tensor of their own."""
+    the kernel reads them (rows past N are zero). The code bytes are packed by the loaded kernels'
+    ``int_pack_codes`` where there are kernels, else (or ``in_numpy``) by numpy. ``allocate(shape)``:
+    where to write them (e.g. a huge-page arena's memory), or None for a tensor of their own."""
     num_rows, num_in = codes.shape
     num_blocks, num_panels = num_in // CODE_BLOCK, -(-num_rows // PANEL_ROWS)
     pad = num_panels * PANEL_ROWS - num_rows
@@ -129,7 +128,7 @@ def panels(codes: BlockCodes, fmt: int, library: ctypes.CDLL | None = None, in_n
         return a.reshape(num_panels, PANEL_ROWS, *a.shape[1:])
 
     factors = k_quant_factors(codes) if fmt == INT_K4 else None
-    pack = None if in_numpy else _pack_function(library)
+    pack = None if in_numpy else _pack_function()
     parts = _header(codes, fmt, by_panel, factors) + ([] if pack else _code_chunks(codes, fmt, by_panel))
     body_bytes = num_blocks * record_bytes(fmt)
     shape = (num_panels, body_bytes + (num_blocks // 8 * 64 if factors is not None else 0))
@@ -152,13 +151,10 @@ def panels(codes: BlockCodes, fmt: int, library: ctypes.CDLL | None = None, in_n
     return out
 
 
-def _pack_function(library: ctypes.CDLL | None):
-    """The kernels' int_pack_codes (``library``'s, default the loaded one's), or None without them."""
-    library = library if library is not None else build.load()
-    if library is None:
-        return None
-    return build.function_of(library, "int_pack_codes", [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
-                                                        ctypes.c_int, ctypes.c_void_p, ctypes.c_long])
+def _pack_function():
+    """The loaded kernels' int_pack_codes, or None without them."""
+    return build.function("int_pack_codes", [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                                             ctypes.c_int, ctypes.c_void_p, ctypes.c_long])
 
 
 def _header(codes: BlockCodes, fmt: int, by_panel, factors: tuple[np.ndarray, ...] | None) -> list[np.ndarray]:

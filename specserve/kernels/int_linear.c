@@ -429,6 +429,17 @@ static inline __attribute__((always_inline)) void iq_block_scales8(const uint8_t
     }
 }
 
+/* acc plus each lane's 4 products of unsigned bytes u and signed bytes s, exact: vpdpbusd where
+   built with it (IQ_DPBUSD256), else vpmaddubsw + vpmaddwd (a lane's pairs of products fit 16
+   bits for |c| <= 128 against |q| <= 127) */
+static inline __m256i iq_add_dot4(__m256i acc, __m256i u, __m256i s) {
+#ifdef IQ_DPBUSD256
+    return IQ_DPBUSD256(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
 /* R input rows x half h (weight rows 8h..8h+7) of one panel, AVX2: the same lanes' arithmetic
    as the AVX-512 tile. Two 16-bit partial sums per lane pair are exact: Q4 codes <= 15 and
    |q| <= 127 keep 8 maddubs results of a block below 2^15 (5-bit codes: 4, so they are widened
@@ -440,7 +451,7 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
     const long first = iq_block_index(a, m0, 0);
     __m256 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i nibble = _mm256_set1_epi8(15);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec, *codes = p + iq_scale_bytes(fmt) + 32 * h;
         const long i0 = iq_next_block(a, first, b);    /* row m0 + r's block b: i0 + r */
@@ -473,26 +484,23 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                 lo = _mm256_set1_epi32(halves ? a->start_lo[i] : a->start[i]);
                 if (halves) hi = _mm256_set1_epi32(a->start[i] - a->start_lo[i]);
             }
-#ifdef IQ_DPBUSD256
-            for (int j = 0; j < 8; j++) {         /* int8 codes as |c| against q with c's sign */
-                const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
-                const __m256i u = iq_is_signed(fmt) ? _mm256_abs_epi8(w[j]) : w[j];
-                const __m256i sq = iq_is_signed(fmt) ? _mm256_sign_epi8(qv, w[j]) : qv;
-                if (j < 4) lo = IQ_DPBUSD256(lo, u, sq);
-                else hi = IQ_DPBUSD256(hi, u, sq);
-            }
-#else
-            if (iq_is_signed(fmt)) {
+            if (iq_is_signed(fmt)) {              /* int8 codes as |c| against q with c's sign */
                 for (int j = 0; j < 8; j++) {
                     const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
-                    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[j]),
-                                                                                _mm256_sign_epi8(qv, w[j])), ones);
-                    if (j < 4) lo = _mm256_add_epi32(lo, prod);
-                    else hi = _mm256_add_epi32(hi, prod);
+                    if (j < 4) lo = iq_add_dot4(lo, _mm256_abs_epi8(w[j]), _mm256_sign_epi8(qv, w[j]));
+                    else hi = iq_add_dot4(hi, _mm256_abs_epi8(w[j]), _mm256_sign_epi8(qv, w[j]));
                 }
-            } else {      /* 16-bit sums widened every 8 chunks (4-bit codes), 4 (5-bit: 8 products
-                             of <= 31 * 127 fit) or 2 (6-bit: 4 of <= 63 * 127) */
+            } else {
+#ifdef IQ_DPBUSD256
+                for (int j = 0; j < 8; j++) {
+                    const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
+                    if (j < 4) lo = iq_add_dot4(lo, w[j], qv);
+                    else hi = iq_add_dot4(hi, w[j], qv);
+                }
+#else             /* 16-bit sums widened every 8 chunks (4-bit codes), 4 (5-bit: 8 products
+                     of <= 31 * 127 fit) or 2 (6-bit: 4 of <= 63 * 127) */
                 const int widen = iq_bit_planes(fmt) == 2 ? 2 : iq_bit_planes(fmt) == 1 ? 4 : 8;
+                const __m256i ones = _mm256_set1_epi16(1);
                 __m256i t = _mm256_setzero_si256();
                 for (int j = 0; j < 8; j++) {
                     t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(iq_load4(q + 4 * j))));
@@ -502,8 +510,8 @@ static inline __attribute__((always_inline)) void iq_half(const uint8_t *panel, 
                         t = _mm256_setzero_si256();
                     }
                 }
-            }
 #endif
+            }
             if (halves) {
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(lo), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(hi), acc[r]);
@@ -549,25 +557,15 @@ static inline __attribute__((always_inline)) void iq_nibble_sums(const uint8_t *
 /* t[r][h]: the 32-bit sums of input block i0 + r x block b's int8 codes of half h, as iq_half's */
 static inline __attribute__((always_inline)) void iq_int8_sums(const uint8_t *codes, const iq_input *a, long i0,
                                                                int R, __m256i t[][2]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(codes + 64 * j + 32));
         const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
             const int8_t *q = a->q + (i0 + r) * IQ_K;
-            const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j));
-#ifdef IQ_DPBUSD256
-            const __m256i zero = _mm256_setzero_si256();
-            t[r][0] = IQ_DPBUSD256(j == 0 ? zero : t[r][0], abs0, _mm256_sign_epi8(qv, w0));
-            t[r][1] = IQ_DPBUSD256(j == 0 ? zero : t[r][1], abs1, _mm256_sign_epi8(qv, w1));
-            (void)ones;
-#else
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(qv, w0)), ones);
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(qv, w1)), ones);
-            t[r][0] = j == 0 ? p0 : _mm256_add_epi32(t[r][0], p0);
-            t[r][1] = j == 0 ? p1 : _mm256_add_epi32(t[r][1], p1);
-#endif
+            const __m256i qv = _mm256_set1_epi32(iq_load4(q + 4 * j)), zero = _mm256_setzero_si256();
+            t[r][0] = iq_add_dot4(j == 0 ? zero : t[r][0], abs0, _mm256_sign_epi8(qv, w0));
+            t[r][1] = iq_add_dot4(j == 0 ? zero : t[r][1], abs1, _mm256_sign_epi8(qv, w1));
             __asm__ volatile("" : "+x"(t[r][0]), "+x"(t[r][1]));
         }
     }

@@ -202,8 +202,7 @@ def pack_codes_only(module: Linear, arena: huge_pages.Arena | None = None) -> No
     if not _use_integer(module, allocate):
         raise RuntimeError(f"a linear of shape {tuple(module.weight.shape)} was loaded without its dense "
                            f"weight, and its blocks cannot be packed for the integer kernel")
-    if any(in_arena):
-        _set_int_panels(module, module.int_panels, module.int_format, in_huge_pages=True)
+    module.int_panels_in_huge_pages = any(in_arena)     # the native weights point at them already
 
 
 def _gather_int_panels(model: nn.Module) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 
 from specserve.kernels import build, int_codes
 from tests.unit.test_int_amx import ROW_COUNTS, _case, _library
@@ -31,4 +30,3 @@ def test_the_avx_vnni_build_is_its_own_variant():
     assert names.index("avx512_vnni") < names.index("avx_vnni") < names.index("avx2")
     library = _library(build.EVEX_AVX_VNNI.name)
     assert build.function_of(library, "int_kernel_level", [])() == 5
-    assert Q.Q4_1 in KINDS
