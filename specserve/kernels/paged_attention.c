@@ -90,6 +90,15 @@ static inline void prefetch_row(const char *p, int bytes) {
     for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+/* the rows of keys [l0, l1) at slots into L2 only, a phase before they are read (other rows fill
+   L1 meanwhile): a tile's value rows while its keys are scored, the next KV head's key rows while
+   this head's values are weighed. From memory, as in a forward, attention at 4 and 8 rows took
+   0.88-0.94x the time (1 and 2 threads, AVX-512 Zen4, `verify-cost` in turns). */
+static void prefetch_rows_l2(const char *base, long stride, const int64_t *slots, int l0, int l1, int bytes) {
+    for (int l = l0; l < l1; l++)
+        for (int off = 0; off < bytes; off += 64) _mm_prefetch(base + slots[l] * stride + off, _MM_HINT_T1);
+}
+
 /* With a bfloat16 cache a score is a sum of bfloat16 products: the scaled query is rounded to
    bfloat16 (nearest even), every product is exact in float32, and the products are summed in the
    order of AVX-512 BF16's vdpbf16ps: lane i (of 16) of each chunk of PAIR_DIMS dims adds the
@@ -821,14 +830,15 @@ static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
    qs[p], scores into outs[p], each tile's keys loaded (and widened) once for every pair. (A tile
    transposed once, for scores without shuffles, was 4-7% faster at 8 rows in a harness and
    slower at 2: not kept.) */
-static void score_shared(const float *const *qs, float *const *outs, int n, const char *k_base, long stride,
-                         const int64_t *slots, int common, int head_dim, int hdq, int is_bf16) {
+static void score_shared(const float *const *qs, float *const *outs, int n, const char *k_base, const char *v_base,
+                         long stride, const int64_t *slots, int common, int head_dim, int hdq, int is_bf16) {
     const int esize = is_bf16 ? 2 : 4;
     for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
         const char *tile[ATT_LANES], *keys[ATT_LANES];
         for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + slots[l0 + i] * stride;
         for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < common; i++)
             prefetch_row(k_base + slots[l0 + ATT_LANES + i] * stride, head_dim * esize);
+        prefetch_rows_l2(v_base, stride, slots, l0, l0 + ATT_LANES, head_dim * esize);
         if (scores_bf16_64(head_dim, is_bf16)) {
             score_tile_bf16_64(qs, n, tile, outs, l0, ATT_LANES);
             continue;
@@ -868,7 +878,7 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
             qs[r * group + g] = s[r].qf + q0 + g * hdq;
             outs[r * group + g] = s[r].scores + g * ((count[r] + 7) / 8 * 8);
         }
-    score_shared(qs, outs, rows * group, k_base, stride, s[0].slots + k0, common, head_dim, hdq, is_bf16);
+    score_shared(qs, outs, rows * group, k_base, v_base, stride, s[0].slots + k0, common, head_dim, hdq, is_bf16);
     for (int r = 0; r < rows; r++) {
         float *p = part + r * part_stride;
         if (count[r] > 0) {
@@ -885,9 +895,13 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
             wrow[r * group + g] = s[r].scores + g * ((count[r] + 7) / 8 * 8);
             orow[r * group + g] = part + r * part_stride + 2 * group + g * head_dim;
         }
-    for (int l0 = 0; l0 < common; l0 += KEY_CHUNK)
-        weigh_chunk(wrow, orow, rows * group, v_base, stride, s[0].slots + k0, l0,
-                    l0 + KEY_CHUNK < common ? l0 + KEY_CHUNK : common, head_dim, hd16, is_bf16, l0 > 0);
+    for (int l0 = 0; l0 < common; l0 += KEY_CHUNK) {
+        const int l1 = l0 + KEY_CHUNK < common ? l0 + KEY_CHUNK : common;
+        if (h + 1 < c->num_kv_heads)
+            prefetch_rows_l2(k_base + c->kv.head, stride, s[0].slots + k0, l0, l1, head_dim * (is_bf16 ? 2 : 4));
+        weigh_chunk(wrow, orow, rows * group, v_base, stride, s[0].slots + k0, l0, l1, head_dim, hd16, is_bf16,
+                    l0 > 0);
+    }
     for (int r = 0; r < rows; r++) {     /* then each row's own keys, going on from those sums */
         if (count[r] > common)
             weigh_pairs(wrow + r * group, orow + r * group, group, v_base, stride, s[r].slots + k0, common, count[r],
