@@ -90,13 +90,33 @@ static inline void prefetch_row(const char *p, int bytes) {
     for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-/* the rows of keys [l0, l1) at slots into L2 only, a phase before they are read (other rows fill
-   L1 meanwhile): a tile's value rows while its keys are scored, the next KV head's key rows while
-   this head's values are weighed. From memory, as in a forward, attention at 4 and 8 rows took
-   0.88-0.94x the time (1 and 2 threads, AVX-512 Zen4, `verify-cost` in turns). */
-static void prefetch_rows_l2(const char *base, long stride, const int64_t *slots, int l0, int l1, int bytes) {
-    for (int l = l0; l < l1; l++)
-        for (int off = 0; off < bytes; off += 64) _mm_prefetch(base + slots[l] * stride + off, _MM_HINT_T1);
+/* Rows of keys [key, end) at slots to prefetch a few lines at a time between pieces of work: a
+   burst of software prefetches longer than the core's miss buffers is mostly dropped here (64 KiB
+   prefetched in one burst then read in 0.53x the time of no prefetch; one line every ~20
+   cycles, in 0.15x: the time of reading it from L2; AVX-512 Zen4). */
+typedef struct {
+    const char *base;
+    long stride;
+    const int64_t *slots;
+    int key, end, lines, line, to_l2;
+} drip;
+
+static inline drip drip_rows(const char *base, long stride, const int64_t *slots, int key, int end, int bytes,
+                             int to_l2) {
+    const drip d = {base, stride, slots, key, end, (bytes + 63) / 64, 0, to_l2};
+    return d;
+}
+/* lines left in d */
+static inline int drip_left(const drip *d) { return (d->end - d->key) * d->lines - d->line; }
+/* up to n of d's lines prefetched; returns how many of the n are left */
+static inline int drip_some(drip *d, int n) {
+    for (; n > 0 && d->key < d->end; n--) {
+        const char *p = d->base + d->slots[d->key] * d->stride + 64L * d->line;
+        if (d->to_l2) _mm_prefetch(p, _MM_HINT_T1);
+        else _mm_prefetch(p, _MM_HINT_T0);
+        if (++d->line == d->lines) d->line = 0, d->key++;
+    }
+    return n;
 }
 
 /* With a bfloat16 cache a score is a sum of bfloat16 products: the scaled query is rounded to
@@ -243,6 +263,116 @@ static vecf score_tile_bf16(const uint16_t *qb, const char *const *keys, int hea
     case 64: return score_tile_bf16_dims(qb, keys, 64, 64);
     case 128: return score_tile_bf16_dims(qb, keys, 128, 128);
     default: return score_tile_bf16_dims(qb, keys, head_dim, hdq);
+    }
+}
+
+/* Scoring with the keys in lanes, for a tile scored by many queries (a verify's rows share their
+   keys): the same sums as score_tile_bf16, lane i's chains and the fixed tree, each lane now one
+   key, so the tree is plain adds (no shuffles) and each word of the tile is loaded once for a
+   group of queries. The tile is transposed once: 64 shuffles a chunk of 32 dims. Attention at 8
+   rows, 1 thread, with K/V in cache: 1.38-1.42 against 1.62-1.65 ms over 30 layers; in a forward
+   (K/V from memory, prefetched as drip says) 1.51-1.67 against 1.78-1.81 ms (AVX-512 Zen4). */
+#define KEYS_IN_LANES_MIN_PAIRS 8     /* (row, query head) pairs a tile must serve to be transposed */
+#define KEYS_IN_LANES_GROUP 4         /* queries scored together against each loaded word */
+
+/* rows[k]'s 32-bit words 0..15 -> t[i] lane k = rows[k] word i (a 16 x 16 transpose) */
+static inline void transpose16(const __m512i *rows, __m512i *t) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 16; k += 2) {        /* words of keys k, k + 1 interleaved */
+        a[k] = _mm512_unpacklo_epi32(rows[k], rows[k + 1]);
+        a[k + 1] = _mm512_unpackhi_epi32(rows[k], rows[k + 1]);
+    }
+    for (int g = 0; g < 16; g += 4) {        /* b[g + m], 128-bit block L: word 4L + m of keys g .. g + 3 */
+        b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
+        b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
+        b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
+        b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
+    }
+    for (int m = 0; m < 4; m++) {            /* the four key groups' blocks side by side */
+        const __m512i v0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xEE);
+        t[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        t[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        t[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* p_i of G queries (bfloat16, zero padded to CHUNKS * 32) against the transposed tile kt (chunk
+   c's words at kt + 16c): the chain of score_tile_bf16_dims's lane i, one key a lane */
+static inline __attribute__((always_inline)) void part_sums(const uint16_t *const *qs, int G, const __m512i *kt,
+                                                            int CHUNKS, int i, __m512 *p) {
+    for (int g = 0; g < G; g++) p[g] = _mm512_setzero_ps();
+    for (int c = 0; c < CHUNKS; c++) {
+        const __m512bh k = (__m512bh)kt[16 * c + i];
+        for (int g = 0; g < G; g++)      /* the query's word as the instruction's broadcast operand */
+            __asm__("vdpbf16ps %2%{1to16%}, %1, %0"
+                    : "+v"(p[g]) : "v"(k), "m"(*(const int32_t *)(qs[g] + PAIR_DIMS * c + 2 * i)));
+    }
+}
+
+/* the scores of the tile's 16 keys for G queries into out[g] + l0: reduce_tile's tree,
+   total = (s_0 + s_1) + (s_2 + s_3), s_j = (p_j + p_(j+8)) + (p_(j+4) + p_(j+12)), lane by lane;
+   partial sums folded in as soon as they are whole (fewer of them live: no spills) */
+static inline __attribute__((always_inline)) void score_keys_in_lanes(const uint16_t *const *qs, int G,
+                                                                      const __m512i *kt, int CHUNKS,
+                                                                      float *const *out, int l0) {
+    __m512 half[KEYS_IN_LANES_GROUP], first[KEYS_IN_LANES_GROUP];     /* s_0 + s_1; s_0 or s_2 */
+    for (int j = 0; j < 4; j++) {
+        __m512 a[KEYS_IN_LANES_GROUP], b[KEYS_IN_LANES_GROUP], r[KEYS_IN_LANES_GROUP];
+        part_sums(qs, G, kt, CHUNKS, j, a);
+        part_sums(qs, G, kt, CHUNKS, j + 8, b);
+        for (int g = 0; g < G; g++) r[g] = _mm512_add_ps(a[g], b[g]);
+        part_sums(qs, G, kt, CHUNKS, j + 4, a);
+        part_sums(qs, G, kt, CHUNKS, j + 12, b);
+        for (int g = 0; g < G; g++) {
+            const __m512 sj = _mm512_add_ps(r[g], _mm512_add_ps(a[g], b[g]));
+            if (j == 0 || j == 2) first[g] = sj;
+            else if (j == 1) half[g] = _mm512_add_ps(first[g], sj);
+            else _mm512_storeu_ps(out[g] + l0, _mm512_add_ps(half[g], _mm512_add_ps(first[g], sj)));
+        }
+    }
+}
+
+/* score_shared's tiles for head sizes of CHUNKS * 32 (bfloat16 keys): each tile transposed once,
+   then scored for the queries KEYS_IN_LANES_GROUP at a time */
+static inline __attribute__((always_inline)) void score_shared_keys_in_lanes_dims(
+        const uint16_t *const *qs, float *const *outs, int n, const char *k_base, const char *v_base, long stride,
+        const int64_t *slots, int common, int CHUNKS) {
+    drip next = drip_rows(k_base, stride, slots, 0, common < 16 ? common : 16, CHUNKS * 64, 0);
+    drip_some(&next, 1 << 30);
+    for (int l0 = 0; l0 < common; l0 += 16) {
+        /* while this tile is scored: the next tile's keys into L1, this tile's values into L2 */
+        next = drip_rows(k_base, stride, slots, l0 + 16, l0 + 32 < common ? l0 + 32 : common, CHUNKS * 64, 0);
+        drip values = drip_rows(v_base, stride, slots, l0, l0 + 16, CHUNKS * 64, 1);
+        __m512i kt[16 * 4];
+        for (int c = 0; c < CHUNKS; c++) {
+            __m512i rows[16];
+            for (int k = 0; k < 16; k++) rows[k] = _mm512_loadu_si512(k_base + slots[l0 + k] * stride + 64 * c);
+            transpose16(rows, kt + 16 * c);
+        }
+        const int steps = n / KEYS_IN_LANES_GROUP + n % KEYS_IN_LANES_GROUP;
+        const int per_step = (drip_left(&next) + drip_left(&values) + steps - 1) / steps;
+        int g = 0;
+        for (; g + KEYS_IN_LANES_GROUP <= n; g += KEYS_IN_LANES_GROUP) {
+            score_keys_in_lanes(qs + g, KEYS_IN_LANES_GROUP, kt, CHUNKS, outs + g, l0);
+            drip_some(&values, drip_some(&next, per_step));
+        }
+        for (; g < n; g++) {
+            score_keys_in_lanes(qs + g, 1, kt, CHUNKS, outs + g, l0);
+            drip_some(&values, drip_some(&next, per_step));
+        }
+        drip_some(&values, drip_some(&next, 1 << 30));
+    }
+}
+/* ... with the common head sizes as constants; 0 where the head size is not one */
+static int score_shared_keys_in_lanes(const uint16_t *const *qs, float *const *outs, int n, const char *k_base,
+                                      const char *v_base, long stride, const int64_t *slots, int common, int head_dim) {
+    switch (head_dim) {
+    case 64: score_shared_keys_in_lanes_dims(qs, outs, n, k_base, v_base, stride, slots, common, 2); return 1;
+    case 128: score_shared_keys_in_lanes_dims(qs, outs, n, k_base, v_base, stride, slots, common, 4); return 1;
+    default: return 0;
     }
 }
 #define HAS_BF16_PRODUCTS 1
@@ -464,7 +594,7 @@ static inline __m512i to_unpack_index(int high) { return _mm512_load_si512(TO_UN
 static inline __attribute__((always_inline)) void weigh_bf16_pass(
         const uint32_t *const *wpk, float *const *orow, int NG, const char *v_base, long slot_stride,
         const int64_t *slots, int l_begin, int l_end, int d0, int head_dim, int resume, int prefetch,
-        const char *interleaved, long pair_stride) {
+        const char *interleaved, long pair_stride, drip *later) {
     __m512 acc[HEADS_PER_PASS][2 * PAIRS_PER_BLOCK];
     for (int g = 0; g < NG; g++)
         for (int b = 0; b < PAIRS_PER_BLOCK; b++) {
@@ -493,6 +623,7 @@ static inline __attribute__((always_inline)) void weigh_bf16_pass(
             for (int b = 0; b < PAIRS_PER_BLOCK; b++)
                 unpack_value_pair(a, c, d0 + 32 * b, head_dim, &v[2 * b], &v[2 * b + 1]);
         }
+        if (later) drip_some(later, 1);
         for (int g = 0; g < NG; g++) {
             const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wpk[g][l / 2]);
             for (int i = 0; i < 2 * PAIRS_PER_BLOCK; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], w, (__m512bh)v[i]);
@@ -510,13 +641,13 @@ static inline __attribute__((always_inline)) void weigh_bf16_pass(
 /* weigh_bf16_pass over every pair and dim block (see weigh_pairs) */
 static void weigh_bf16(const float *const *wrow, float *const *orow, int pairs, const char *v_base, long slot_stride,
                        const int64_t *slots, int l_begin, int l_end, int head_dim, int resume,
-                       const char *interleaved, long pair_stride) {
+                       const char *interleaved, long pair_stride, drip *later) {
     const uint32_t *const *wpk = (const uint32_t *const *)wrow;
     for (int d0 = 0; d0 < head_dim; d0 += 32 * PAIRS_PER_BLOCK)
         for (int p0 = 0; p0 < pairs; p0 += HEADS_PER_PASS) {
             const int ng = pairs - p0 < HEADS_PER_PASS ? pairs - p0 : HEADS_PER_PASS;
 #define WEIGH_BF16(NG) weigh_bf16_pass(wpk + p0, orow + p0, NG, v_base, slot_stride, slots, l_begin, l_end, d0, \
-                                       head_dim, resume, p0 == 0, interleaved, pair_stride)
+                                       head_dim, resume, p0 == 0, interleaved, pair_stride, later)
             switch (ng) {
             case 1: WEIGH_BF16(1); break;
             case 2: WEIGH_BF16(2); break;
@@ -528,11 +659,13 @@ static void weigh_bf16(const float *const *wrow, float *const *orow, int pairs, 
 }
 
 /* weigh_bf16 over keys [l_begin, l_end) (at most KEY_CHUNK, l_begin even) for many pairs: each
-   key pair's value rows unpacked once into a buffer for every pass of HEADS_PER_PASS pairs */
+   key pair's value rows unpacked once into a buffer for every pass of HEADS_PER_PASS pairs;
+   `later` (or NULL): lines for what follows, prefetched a line a key pair of each pass */
 static void weigh_bf16_chunk(const float *const *wrow, float *const *orow, int pairs, const char *v_base,
-                             long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int resume) {
+                             long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int resume,
+                             drip *later) {
     if (pairs <= HEADS_PER_PASS) {
-        weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, NULL, 0);
+        weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, NULL, 0, later);
         return;
     }
     const int blocks = (head_dim + 63) / 64 * 2;           /* 32-dim blocks, whole passes */
@@ -553,7 +686,8 @@ static void weigh_bf16_chunk(const float *const *wrow, float *const *orow, int p
             _mm512_store_si512(pair + 128 * b + 64, hi);
         }
     }
-    weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, buffer, pair_stride);
+    weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, buffer, pair_stride,
+               later);
 }
 #endif
 
@@ -563,7 +697,7 @@ static void weigh_pairs(const float *const *wrow, float *const *orow, int pairs,
                         int resume) {
 #if HAS_BF16_PRODUCTS
     if (is_bf16) {
-        weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, NULL, 0);
+        weigh_bf16(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, NULL, 0, NULL);
         return;
     }
 #endif
@@ -581,18 +715,20 @@ static void weigh_pairs(const float *const *wrow, float *const *orow, int pairs,
    passes on AVX-512, 12 on AVX2, where widening took a third to a half of the instructions).
    The same FMA chains, so the same bits. (A buffer malloc'ed with the rows' scratch made the
    whole attention slower, not faster: 3.4 against 2.8 ms at 8 rows, AVX-512 Xeon.) The buffer
-   is KEY_CHUNK * hd16 floats: 16 KiB for heads of 64, 128 KiB at MAX_HEAD_DIM. */
+   is KEY_CHUNK * hd16 floats: 16 KiB for heads of 64, 128 KiB at MAX_HEAD_DIM. `later` (or NULL):
+   lines for what follows, prefetched a few at a time (as weigh_bf16_chunk) or after. */
 static void weigh_chunk(const float *const *wrow, float *const *orow, int pairs, const char *v_base,
                         long slot_stride, const int64_t *slots, int l_begin, int l_end, int head_dim, int hd16,
-                        int is_bf16, int resume) {
+                        int is_bf16, int resume, drip *later) {
 #if HAS_BF16_PRODUCTS
     if (is_bf16) {
-        weigh_bf16_chunk(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume);
+        weigh_bf16_chunk(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, resume, later);
         return;
     }
 #endif
     if (!is_bf16 || pairs <= HEADS_PER_PASS) {
         weigh_pairs(wrow, orow, pairs, v_base, slot_stride, slots, l_begin, l_end, head_dim, is_bf16, resume);
+        if (later) drip_some(later, 1 << 30);
         return;
     }
     const int n = l_end - l_begin;
@@ -603,7 +739,9 @@ static void weigh_chunk(const float *const *wrow, float *const *orow, int pairs,
             prefetch_row(v_base + slots[l_begin + i + PREFETCH_KEYS] * slot_stride, head_dim * 2);
         widen_row(v_base + slots[l_begin + i] * slot_stride, widened + (long)i * hd16, head_dim, hd16);
         rows_of_widened[i] = i;
+        if (later) drip_some(later, 2);
     }
+    if (later) drip_some(later, 1 << 30);
     const float *w[ROW_BLOCK * MAX_GROUP];
     for (int p = 0; p < pairs; p++) w[p] = wrow[p] + l_begin;
     weigh_pairs(w, orow, pairs, (const char *)widened, (long)hd16 * sizeof(float), rows_of_widened, 0, n, head_dim,
@@ -827,25 +965,38 @@ static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
 }
 
 /* The scores of the `common` keys at slots (whole tiles) for n (row, query head) pairs: query
-   qs[p], scores into outs[p], each tile's keys loaded (and widened) once for every pair. (A tile
-   transposed once, for scores without shuffles, was 4-7% faster at 8 rows in a harness and
-   slower at 2: not kept.) */
+   qs[p], scores into outs[p], each tile's keys loaded (and widened) once for every pair, or with
+   vdpbf16ps and at least KEYS_IN_LANES_MIN_PAIRS pairs transposed once (score_shared_keys_in_lanes).
+   While a tile is scored, the next tile's keys are prefetched into L1 and its values into L2. */
 static void score_shared(const float *const *qs, float *const *outs, int n, const char *k_base, const char *v_base,
                          long stride, const int64_t *slots, int common, int head_dim, int hdq, int is_bf16) {
     const int esize = is_bf16 ? 2 : 4;
+#if HAS_BF16_PRODUCTS
+    if (is_bf16 && n >= KEYS_IN_LANES_MIN_PAIRS &&
+        score_shared_keys_in_lanes((const uint16_t *const *)qs, outs, n, k_base, v_base, stride, slots, common,
+                                   head_dim))
+        return;
+#endif
     for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
         const char *tile[ATT_LANES], *keys[ATT_LANES];
         for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + slots[l0 + i] * stride;
-        for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < common; i++)
-            prefetch_row(k_base + slots[l0 + ATT_LANES + i] * stride, head_dim * esize);
-        prefetch_rows_l2(v_base, stride, slots, l0, l0 + ATT_LANES, head_dim * esize);
+        /* while this tile is scored: the next tile's keys into L1, this tile's values into L2 */
+        drip next = drip_rows(k_base, stride, slots, l0 + ATT_LANES, l0 + 2 * ATT_LANES < common ? l0 + 2 * ATT_LANES
+                              : common, head_dim * esize, 0);
+        drip values = drip_rows(v_base, stride, slots, l0, l0 + ATT_LANES, head_dim * esize, 1);
         if (scores_bf16_64(head_dim, is_bf16)) {
+            drip_some(&values, drip_some(&next, 1 << 30));
             score_tile_bf16_64(qs, n, tile, outs, l0, ATT_LANES);
             continue;
         }
         float widened[ATT_LANES * MAX_HEAD_DIM];
         tile_rows(tile, keys, widened, head_dim, hdq, is_bf16);
-        for (int p = 0; p < n; p++) v_store(outs[p] + l0, score_head(qs[p], keys, head_dim, hdq, is_bf16));
+        const int per_query = (drip_left(&next) + drip_left(&values) + n - 1) / n;
+        for (int p = 0; p < n; p++) {
+            v_store(outs[p] + l0, score_head(qs[p], keys, head_dim, hdq, is_bf16));
+            drip_some(&values, drip_some(&next, per_query));
+        }
+        drip_some(&values, drip_some(&next, 1 << 30));
     }
 }
 
@@ -897,10 +1048,10 @@ static void attend_split(const att_call *c, int rows, int h, int split, int shar
         }
     for (int l0 = 0; l0 < common; l0 += KEY_CHUNK) {
         const int l1 = l0 + KEY_CHUNK < common ? l0 + KEY_CHUNK : common;
-        if (h + 1 < c->num_kv_heads)
-            prefetch_rows_l2(k_base + c->kv.head, stride, s[0].slots + k0, l0, l1, head_dim * (is_bf16 ? 2 : 4));
+        drip next_head = drip_rows(k_base + c->kv.head, stride, s[0].slots + k0, l0, h + 1 < c->num_kv_heads ? l1 : l0,
+                                   head_dim * (is_bf16 ? 2 : 4), 1);     /* the next KV head's keys, into L2 */
         weigh_chunk(wrow, orow, rows * group, v_base, stride, s[0].slots + k0, l0, l1, head_dim, hd16, is_bf16,
-                    l0 > 0);
+                    l0 > 0, &next_head);
     }
     for (int r = 0; r < rows; r++) {     /* then each row's own keys, going on from those sums */
         if (count[r] > common)
