@@ -170,6 +170,33 @@ def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone(dtype, n):
 
 
 
+@pytest.mark.parametrize("head_dim, group, n", [(64, 2, 5), (128, 3, 8), (128, 2, 7)])
+def test_a_verify_scored_with_keys_in_lanes_equals_its_rows_decoded_alone(head_dim, group, n):
+    """A verify on a bfloat16 cache whose shared keys 8 or more (row, query head) pairs score (on
+    CPUs with AVX-512 BF16: scored with the keys in lanes, the pairs 4 at a time and a remainder
+    one at a time), heads of 64 and 128: each row gets the bits of its decode step alone."""
+    torch.manual_seed(1)
+    cache = KVCache(1, PAD_SLOT + 1, NUM_KV, head_dim, torch.bfloat16, "cpu")
+    cache.k[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, head_dim).to(torch.bfloat16)
+    cache.v[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, head_dim).to(torch.bfloat16)
+    prefix = 300
+    q = torch.randn(n, NUM_KV * group, head_dim)
+    k, v = torch.randn(n, NUM_KV, head_dim), torch.randn(n, NUM_KV, head_dim)
+    slots = list(range(100, 100 + prefix + n))
+
+    def attend(rows: slice, length: int) -> torch.Tensor:
+        count = rows.stop - rows.start
+        kv_indices = torch.full((1, length + 64), PAD_SLOT, dtype=torch.int64)
+        kv_indices[0, :length] = torch.tensor(slots[:length])
+        meta = build_metadata([length - count], [count], kv_indices, torch.tensor(slots[length - count:length]),
+                              None, num_kv_groups=group, pad_slot=PAD_SLOT)
+        return TorchSDPABackend().forward(q[rows], k[rows], v[rows], 0, cache, meta)
+
+    verify = attend(slice(0, n), prefix + n)
+    for i in range(n):
+        assert torch.equal(attend(slice(i, i + 1), prefix + i + 1), verify[i:i + 1]), f"row {i} differs"
+
+
 def runnable_variants() -> list[str]:
     """The native kernel's ISA variants this CPU builds and runs, best first."""
     from specserve.kernels import build
