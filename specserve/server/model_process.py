@@ -29,7 +29,7 @@ PR_SET_PDEATHSIG = 1
 
 def run_model_process(server_args: ServerArgs, endpoints: ipc.Endpoints, front_pid: int) -> None:
     """Entry point of the spawned process."""
-    _exit_with_front()
+    _exit_with_front(endpoints)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the front, which stops us in order
     from specserve.launch_server import configure_logging
 
@@ -46,10 +46,20 @@ def run_model_process(server_args: ServerArgs, endpoints: ipc.Endpoints, front_p
     outbox.close(linger=2000)
     inbox.close(linger=0)
     context.term()
+    if os.getppid() != front_pid:
+        endpoints.remove_files()     # the front is gone and cannot
 
 
-def _exit_with_front() -> None:
-    """Linux: the kernel sends us SIGTERM if the front dies, even by SIGKILL."""
+def _exit_with_front(endpoints: ipc.Endpoints) -> None:
+    """Linux: the kernel sends us SIGTERM if the front dies, even by SIGKILL. On SIGTERM (that, or
+    the front's own terminate) the sockets' folder goes too, which a killed front leaves behind;
+    then the signal ends us as it would have."""
+    def on_sigterm(signum: int, frame: Any) -> None:
+        endpoints.remove_files()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):

@@ -47,14 +47,15 @@ def server(tmp_path: Path, default_gguf_path: str) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def _served(tmp_path: Path, model_path: str, *extra_args: str) -> Iterator[Server]:
+def _served(tmp_path: Path, model_path: str, *extra_args: str, env: dict | None = None) -> Iterator[Server]:
     port = free_port()
     command = [sys.executable, "-m", "specserve.launch_server", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning", "--model-path", model_path, "--context-length", "1024",
                "--speculative-algorithm", "NGRAM", *extra_args]
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   env=None if env is None else {**os.environ, **env})
     running = Server(process, f"http://127.0.0.1:{port}", log_path)
     try:
         _wait_until_healthy(process, running.base_url, log_path)
@@ -129,6 +130,23 @@ def test_a_killed_model_process_fails_its_request_with_503_and_health_says_so(se
         assert again.status_code == 503
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(30) in STOPPED_BY_SIGTERM
+
+
+def test_a_killed_front_leaves_no_model_process_and_no_socket_files(tmp_path: Path, default_gguf_path: str) -> None:
+    """SIGKILL on the front: the kernel stops the model process, which removes the sockets'
+    folder the front can no longer remove."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    with _served(tmp_path, default_gguf_path, env={"TMPDIR": str(temporary)}) as running:
+        assert [p.name for p in temporary.iterdir() if p.name.startswith("specserve-ipc-")]
+        model_pid = running.info()["model_process_pid"]
+        running.process.kill()
+        running.process.wait(30)
+        deadline = time.monotonic() + 30
+        while not _is_gone(model_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert _is_gone(model_pid), "the model process outlived a killed front"
+    assert [p.name for p in temporary.iterdir() if p.name.startswith("specserve-ipc-")] == []
 
 
 def test_a_model_that_cannot_start_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
