@@ -1,6 +1,7 @@
 """The server's two processes on the default model: hang-ups under concurrent load leave
-nothing behind, SIGTERM stops both processes, a killed model process gives clear 503s, and a
-model that cannot start is one ``error:`` line with exit status 2."""
+nothing behind, SIGTERM stops both processes, a killed model process gives clear 503s, a killed
+front leaves neither the model process nor its sockets' folder, and a model that cannot start is
+one ``error:`` line with exit status 2."""
 from __future__ import annotations
 
 import asyncio
