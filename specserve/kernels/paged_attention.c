@@ -23,7 +23,8 @@
    16 (AVX-512) or 8 (AVX2) at a time, each key's partial sums in a register of its own, and the
    trees of a tile's keys are summed together by shuffles into one vector of scores: no
    horizontal sum per key (AVX2 with bfloat16 rows of 64: each key's row widened once in
-   registers for all the tile's queries, the same chains and tree). The query heads of a GQA
+   registers for all the tile's queries, the same chains and tree; a verify's shared keys with
+   vdpbf16ps: each tile transposed once, one key a lane, the same chains and tree as plain adds). The query heads of a GQA
    group share each key's loads, and the weighted values are summed for several heads at once
    (each element one chain of FMAs over l, the same whatever the vector width). Rows of one
    request (a verify forward, a prefill chunk) go in segments: the keys every row of a segment
@@ -92,7 +93,7 @@ static inline void prefetch_row(const char *p, int bytes) {
 
 /* Rows of keys [key, end) at slots to prefetch a few lines at a time between pieces of work: a
    burst of software prefetches longer than the core's miss buffers is mostly dropped here (64 KiB
-   prefetched in one burst then read in 0.53x the time of no prefetch; one line every ~20
+   prefetched in one burst then read in 0.53x the time of no prefetch; one line every few dozen
    cycles, in 0.15x: the time of reading it from L2; AVX-512 Zen4). */
 typedef struct {
     const char *base;
