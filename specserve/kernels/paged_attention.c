@@ -24,8 +24,9 @@
    trees of a tile's keys are summed together by shuffles into one vector of scores: no
    horizontal sum per key (AVX2 with bfloat16 rows of 64: each key's row widened once in
    registers for all the tile's queries, the same chains and tree; a verify's shared keys with
-   vdpbf16ps: each tile transposed once, one key a lane, the same chains and tree as plain adds). The query heads of a GQA
-   group share each key's loads, and the weighted values are summed for several heads at once
+   vdpbf16ps: each tile transposed once, one key a lane, the same chains and tree as plain adds).
+   The query heads of a GQA group share each key's loads, and the weighted values are summed for
+   several heads at once
    (each element one chain of FMAs over l, the same whatever the vector width). Rows of one
    request (a verify forward, a prefill chunk) go in segments: the keys every row of a segment
    attends to are scored tile by tile and weighed chunk by chunk for all its rows while those
@@ -433,11 +434,14 @@ static inline int scores_bf16_64(int head_dim, int is_bf16) { return ATT_LANES =
    tile repeats a key). Each key's row is widened pair-split once, in registers, for every query,
    instead of into memory and read back per query (attention 1.03-1.2x faster in a forward on a
    Zen3); each query's two chains per key and the reduction of the 8 keys' partial sums are
-   score_tile_f32's and reduce_tile's over pair-split rows: the same bits. */
+   score_tile_f32's and reduce_tile's over pair-split rows: the same bits. ahead, behind (or NULL):
+   lines prefetched a share after each key (ahead's first). */
 static void score_tile_bf16_64(const float *const *qs, int nq, const char *const *key_rows, float *const *out,
-                               int l0, int n) {
+                               int l0, int n, drip *ahead, drip *behind) {
     __m256 part[ROW_BLOCK * MAX_GROUP][8];
+    const int per_key = ahead ? (drip_left(ahead) + drip_left(behind) + 7) / 8 : 0;
     for (int i = 0; i < 8; i++) {
+        if (ahead) drip_some(behind, drip_some(ahead, per_key));
         const uint16_t *row = (const uint16_t *)key_rows[i];
         __m256 k[8];                 /* pair-split: chunk c / 4, odd dims of words 0-7, 8-15, even of 0-7, 8-15 */
         for (int c = 0; c < 8; c += 4)
@@ -458,8 +462,8 @@ static void score_tile_bf16_64(const float *const *qs, int nq, const char *const
 }
 #else
 static void score_tile_bf16_64(const float *const *qs, int nq, const char *const *key_rows, float *const *out,
-                               int l0, int n) {
-    (void)qs, (void)nq, (void)key_rows, (void)out, (void)l0, (void)n;      /* scores_bf16_64 is 0 here */
+                               int l0, int n, drip *ahead, drip *behind) {
+    (void)qs, (void)nq, (void)key_rows, (void)out, (void)l0, (void)n, (void)ahead, (void)behind;  /* not called here */
 }
 #endif
 
@@ -479,7 +483,7 @@ static void score_keys(const float *q, const char *k_base, long slot_stride, con
         for (int i = 0; i < ATT_LANES && l0 + ATT_LANES + i < num_keys; i++)   /* the next tile's keys */
             prefetch_row(k_base + slots[l0 + ATT_LANES + i] * slot_stride, head_dim * esize);
         if (in_registers) {
-            score_tile_bf16_64(qs, group, rows, outs, l0, n);
+            score_tile_bf16_64(qs, group, rows, outs, l0, n, NULL, NULL);
             continue;
         }
         tile_rows(rows, keys, widened, head_dim, hdq, is_bf16);
@@ -986,8 +990,7 @@ static void score_shared(const float *const *qs, float *const *outs, int n, cons
                               : common, head_dim * esize, 0);
         drip values = drip_rows(v_base, stride, slots, l0, l0 + ATT_LANES, head_dim * esize, 1);
         if (scores_bf16_64(head_dim, is_bf16)) {
-            drip_some(&values, drip_some(&next, 1 << 30));
-            score_tile_bf16_64(qs, n, tile, outs, l0, ATT_LANES);
+            score_tile_bf16_64(qs, n, tile, outs, l0, ATT_LANES, &next, &values);
             continue;
         }
         float widened[ATT_LANES * MAX_HEAD_DIM];
