@@ -17,15 +17,13 @@ FAST_TYPES = {Q.Q4_0: np.uint8, Q.Q4_1: np.uint8, Q.Q8_0: np.int8}     # and the
 def unpack(blocks: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """blocks: uint8 [num_blocks, block bytes] of ``tensor_type`` -> codes [num_blocks, 32],
     scales and mins float32 [num_blocks, 1]; None where the kernels cannot."""
-    library = build.load()
-    if library is None or tensor_type not in FAST_TYPES:
+    fn = build.function("gguf_unpack_blocks", [ctypes.c_void_p, ctypes.c_long, ctypes.c_int] + [ctypes.c_void_p] * 3)
+    if fn is None or tensor_type not in FAST_TYPES:
         return None
     blocks = np.ascontiguousarray(blocks)
     num_blocks = blocks.shape[0]
     codes = np.empty((num_blocks, 32), FAST_TYPES[tensor_type])
     scales, mins = np.empty((num_blocks, 1), np.float32), np.empty((num_blocks, 1), np.float32)
-    fn = build.function_of(library, "gguf_unpack_blocks", [ctypes.c_void_p, ctypes.c_long, ctypes.c_int] +
-                           [ctypes.c_void_p] * 3)
     if fn(blocks.ctypes.data, num_blocks, int(tensor_type), codes.ctypes.data, scales.ctypes.data,
           mins.ctypes.data) != 0:
         return None

@@ -108,6 +108,14 @@ static inline drip drip_rows(const char *base, long stride, const int64_t *slots
     const drip d = {base, stride, slots, key, end, (bytes + 63) / 64, 0, to_l2};
     return d;
 }
+/* what to prefetch while tile [l0, l0 + lanes) of the `common` keys at slots is scored: the next
+   tile's key rows into L1 (*next), this tile's value rows into L2 (*values) */
+static inline void tile_drips(const char *k_base, const char *v_base, long stride, const int64_t *slots, int l0,
+                              int lanes, int common, int bytes, drip *next, drip *values) {
+    const int end = l0 + 2 * lanes < common ? l0 + 2 * lanes : common;
+    *next = drip_rows(k_base, stride, slots, l0 + lanes, end, bytes, 0);
+    *values = drip_rows(v_base, stride, slots, l0, l0 + lanes, bytes, 1);
+}
 /* lines left in d */
 static inline int drip_left(const drip *d) { return (d->end - d->key) * d->lines - d->line; }
 /* up to n of d's lines prefetched; returns how many of the n are left */
@@ -345,9 +353,8 @@ static inline __attribute__((always_inline)) void score_shared_keys_in_lanes_dim
     drip next = drip_rows(k_base, stride, slots, 0, common < 16 ? common : 16, CHUNKS * 64, 0);
     drip_some(&next, 1 << 30);
     for (int l0 = 0; l0 < common; l0 += 16) {
-        /* while this tile is scored: the next tile's keys into L1, this tile's values into L2 */
-        next = drip_rows(k_base, stride, slots, l0 + 16, l0 + 32 < common ? l0 + 32 : common, CHUNKS * 64, 0);
-        drip values = drip_rows(v_base, stride, slots, l0, l0 + 16, CHUNKS * 64, 1);
+        drip values;
+        tile_drips(k_base, v_base, stride, slots, l0, 16, common, CHUNKS * 64, &next, &values);
         __m512i kt[16 * 4];
         for (int c = 0; c < CHUNKS; c++) {
             __m512i rows[16];
@@ -985,10 +992,8 @@ static void score_shared(const float *const *qs, float *const *outs, int n, cons
     for (int l0 = 0; l0 < common; l0 += ATT_LANES) {
         const char *tile[ATT_LANES], *keys[ATT_LANES];
         for (int i = 0; i < ATT_LANES; i++) tile[i] = k_base + slots[l0 + i] * stride;
-        /* while this tile is scored: the next tile's keys into L1, this tile's values into L2 */
-        drip next = drip_rows(k_base, stride, slots, l0 + ATT_LANES, l0 + 2 * ATT_LANES < common ? l0 + 2 * ATT_LANES
-                              : common, head_dim * esize, 0);
-        drip values = drip_rows(v_base, stride, slots, l0, l0 + ATT_LANES, head_dim * esize, 1);
+        drip next, values;
+        tile_drips(k_base, v_base, stride, slots, l0, ATT_LANES, common, head_dim * esize, &next, &values);
         if (scores_bf16_64(head_dim, is_bf16)) {
             score_tile_bf16_64(qs, n, tile, outs, l0, ATT_LANES, &next, &values);
             continue;

@@ -24,23 +24,24 @@ def attention_path(request, monkeypatch):
     return request.param
 
 
-def _cache(dtype):
+def _cache(dtype, head_dim=HEAD_DIM):
     torch.manual_seed(0)
-    cache = KVCache(1, PAD_SLOT + 1, NUM_KV, HEAD_DIM, dtype, "cpu")
-    cache.k[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, HEAD_DIM).to(dtype)
-    cache.v[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, HEAD_DIM).to(dtype)
+    cache = KVCache(1, PAD_SLOT + 1, NUM_KV, head_dim, dtype, "cpu")
+    cache.k[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, head_dim).to(dtype)
+    cache.v[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, head_dim).to(dtype)
     return cache
 
 
-def _attend(cache, q, k, v, prefix_lens, extend_lens, slot_rows, new_slots, tree_masks=None):
-    """One decode-shaped forward; q [T, heads, hd] and k/v [T, kv heads, hd] of the new tokens."""
+def _attend(cache, q, k, v, prefix_lens, extend_lens, slot_rows, new_slots, tree_masks=None, group=GROUP):
+    """One decode-shaped forward; q [T, heads, hd] and k/v [T, kv heads, hd] of the new tokens
+    (``group`` query heads a KV head)."""
     width = max(p + e for p, e in zip(prefix_lens, extend_lens))
     kv_indices = torch.full((len(slot_rows), width + 700), PAD_SLOT, dtype=torch.int64)
     for b, slots in enumerate(slot_rows):
         kv_indices[b, :len(slots)] = torch.tensor(slots)
         kv_indices[b, len(slots):len(slots) + 5] = 7         # stale slots past the length: must be ignored
     meta = build_metadata(prefix_lens, extend_lens, kv_indices, torch.tensor(new_slots), tree_masks,
-                          num_kv_groups=GROUP, pad_slot=PAD_SLOT)
+                          num_kv_groups=group, pad_slot=PAD_SLOT)
     return TorchSDPABackend().forward(q, k, v, 0, cache, meta)
 
 
@@ -175,26 +176,16 @@ def test_a_verify_scored_with_keys_in_lanes_equals_its_rows_decoded_alone(head_d
     """A verify on a bfloat16 cache whose shared keys 8 or more (row, query head) pairs score (on
     CPUs with AVX-512 BF16: scored with the keys in lanes, the pairs 4 at a time and a remainder
     one at a time), heads of 64 and 128: each row gets the bits of its decode step alone."""
-    torch.manual_seed(1)
-    cache = KVCache(1, PAD_SLOT + 1, NUM_KV, head_dim, torch.bfloat16, "cpu")
-    cache.k[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, head_dim).to(torch.bfloat16)
-    cache.v[0, :PAD_SLOT] = torch.randn(PAD_SLOT, NUM_KV, head_dim).to(torch.bfloat16)
+    cache = _cache(torch.bfloat16, head_dim)
     prefix = 300
     q = torch.randn(n, NUM_KV * group, head_dim)
     k, v = torch.randn(n, NUM_KV, head_dim), torch.randn(n, NUM_KV, head_dim)
     slots = list(range(100, 100 + prefix + n))
-
-    def attend(rows: slice, length: int) -> torch.Tensor:
-        count = rows.stop - rows.start
-        kv_indices = torch.full((1, length + 64), PAD_SLOT, dtype=torch.int64)
-        kv_indices[0, :length] = torch.tensor(slots[:length])
-        meta = build_metadata([length - count], [count], kv_indices, torch.tensor(slots[length - count:length]),
-                              None, num_kv_groups=group, pad_slot=PAD_SLOT)
-        return TorchSDPABackend().forward(q[rows], k[rows], v[rows], 0, cache, meta)
-
-    verify = attend(slice(0, n), prefix + n)
+    verify = _attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:], group=group)
     for i in range(n):
-        assert torch.equal(attend(slice(i, i + 1), prefix + i + 1), verify[i:i + 1]), f"row {i} differs"
+        alone = _attend(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], [prefix + i], [1], [slots[:prefix + i + 1]],
+                        [slots[prefix + i]], group=group)
+        assert torch.equal(alone, verify[i:i + 1]), f"row {i} differs from its decode alone"
 
 
 def runnable_variants() -> list[str]:
