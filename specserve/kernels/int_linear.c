@@ -57,8 +57,8 @@ enum { IQ_NONE = 0, IQ_Q4_0 = 1, IQ_Q4_1 = 2, IQ_Q8_0 = 3, IQ_F4 = 4, IQ_F8 = 5,
 #define IQ_PREFETCH_HINT _MM_HINT_T1   /* into L2, */
 /* or into L1 for tiles of this many rows or fewer (a decode step's 1, a short verify's 2): their
    few products a block left each block's loads waiting on L2. In a forward on 1 thread of an
-   AVX-512 Zen4, in turns: W=1 4.5-5.4 against 5.6-5.8 ms, W=2 4.9-5.6 against 5.5-5.7; at 4 and
-   8 rows L1 cost (W=4 6.6-6.7 against 6.1-6.4 ms), as did a nearer (4 KiB) L1 distance there. */
+   AVX-512 Zen4, in turns: W=1 4.6-5.4 against 5.6-5.8 ms, W=2 4.9-5.6 against 5.5-5.7. At 4 and
+   8 rows L1 cost (W=4 6.6-6.7 against 6.1-6.4 ms); 4 KiB ahead there gained nothing, 8 KiB lost. */
 #define IQ_PREFETCH_L1_ROWS 2
 #else
 #define IQ_LEVEL 1            /* avx2 */
