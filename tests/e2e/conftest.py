@@ -19,6 +19,16 @@ from specserve.server.async_engine import AsyncEngine
 from .fake_engine import FakeLLMEngine
 
 
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    """Whether predicate() holds within timeout seconds (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

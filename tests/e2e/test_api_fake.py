@@ -15,7 +15,7 @@ import pytest
 from specserve.core import SamplingParams
 from specserve.server.async_engine import AsyncEngine, EngineError
 
-from .conftest import RunningServer, serve_fake
+from .conftest import RunningServer, serve_fake, wait_until
 from .fake_engine import EOS_ID, FAKE_CONTEXT_LEN, FakeLLMEngine, FakeTokenizer
 
 USER_HI = [{"role": "user", "content": "hi"}]
@@ -41,15 +41,6 @@ def assert_error(response: httpx.Response, status: int) -> dict[str, Any]:
     assert set(error) >= {"message", "type", "param", "code"}
     assert error["code"] == status and error["message"]
     return error
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 # ---------------------------------------------------------------------------------------

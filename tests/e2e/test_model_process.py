@@ -22,7 +22,7 @@ from specserve.bench import http_client as hc
 from specserve.bench.prompts import chat_ids
 
 from .test_api_real import REPO_ROOT, _wait_until_healthy
-from .conftest import free_port
+from .conftest import free_port, wait_until
 
 PROMPTS = ["Name three colours.", "Write a haiku about the sea.", "What is 17 times 3?",
            "List the planets of the solar system.", "Explain what a compiler does.",
@@ -139,15 +139,17 @@ def test_a_killed_front_leaves_no_model_process_and_no_socket_files(tmp_path: Pa
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     with _served(tmp_path, default_gguf_path, env={"TMPDIR": str(temporary)}) as running:
-        assert [p.name for p in temporary.iterdir() if p.name.startswith("specserve-ipc-")]
+        assert _socket_folders(temporary)
         model_pid = running.info()["model_process_pid"]
         running.process.kill()
         running.process.wait(30)
-        deadline = time.monotonic() + 30
-        while not _is_gone(model_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    assert _is_gone(model_pid), "the model process outlived a killed front"
-    assert [p.name for p in temporary.iterdir() if p.name.startswith("specserve-ipc-")] == []
+        assert wait_until(lambda: _is_gone(model_pid), 30), "the model process outlived a killed front"
+    assert _socket_folders(temporary) == []
+
+
+def _socket_folders(directory: Path) -> list[str]:
+    """The servers' IPC sockets' folders in directory."""
+    return [p.name for p in directory.iterdir() if p.name.startswith("specserve-ipc-")]
 
 
 def test_a_model_that_cannot_start_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
