@@ -1,4 +1,4 @@
-"""``specserve bench <plain|serving|speculative|verify-cost|kv-cache|shapes|http|startup|load-memory> [args]``
+"""``specserve bench <plain|serving|speculative|verify-cost|kernel-ab|kv-cache|shapes|http|startup|load-memory> [args]``
 (also ``python -m specserve.bench.cli ...``).
 
 Every subcommand prints a table, shows a progress bar and writes a JSON result file (and a PNG
@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "serving": ("specserve.bench.serving", "N concurrent requests through LLMEngine: throughput, consistency"),
     "speculative": ("specserve.bench.speculative", "speculative parameter sweep vs plain (bench_speculative)"),
     "verify-cost": ("specserve.bench.verify_cost", "forward time over W new tokens on a C-token context"),
+    "kernel-ab": ("specserve.bench.kernel_ab", "builds of the kernels taking turns in one process on verify-cost's "
+                                               "forwards: time against the first, same logits"),
     "kv-cache": ("specserve.bench.kv_cache", "plain decoding after long prompts, float32 vs bfloat16 KV cache "
                                              "taking turns: tokens/s, agreement, perplexity"),
     "shapes": ("specserve.bench.shapes", "the fastest steps/topk/draft tokens per shipped draft here "

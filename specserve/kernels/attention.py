@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -61,6 +60,6 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
 _ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 9
 
 
-@functools.cache
+@build.cached_lookup
 def _function():
     return build.function("paged_attention", _ARGTYPES)

@@ -22,6 +22,7 @@ callers then keep torch's kernels.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -83,9 +84,46 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-@functools.cache
+_library_override: list[ctypes.CDLL] = []     # use_library's, innermost last
+_cached_lookups: list = []                     # cached_lookup's functions, cleared as the library changes
+
+
 def load() -> ctypes.CDLL | None:
-    """The best variant this CPU runs (see the module doc), or None."""
+    """The best variant this CPU runs (see the module doc), or None; inside ``use_library``, its
+    library."""
+    return _library_override[-1] if _library_override else _load_best()
+
+
+@contextlib.contextmanager
+def use_library(library: ctypes.CDLL):
+    """``load()`` gives ``library`` inside the block, and the kernels' functions are looked up in it
+    (``cached_lookup``): another build of the kernels in the same process, for benchmarks that take
+    turns between builds (``bench/kernel_ab.py``). Not for serving: weights packed by one build are
+    read by the other, so they must lay them out alike."""
+    _library_override.append(library)
+    _clear_lookups()
+    try:
+        yield library
+    finally:
+        _library_override.pop()
+        _clear_lookups()
+
+
+def cached_lookup(lookup: Callable[[], Callable | None]) -> Callable[[], Callable | None]:
+    """``functools.cache`` for a module's lookup of a kernel function (``function``), cleared when
+    ``use_library`` changes the library."""
+    cached = functools.cache(lookup)
+    _cached_lookups.append(cached)
+    return cached
+
+
+def _clear_lookups() -> None:
+    for cached in _cached_lookups:
+        cached.cache_clear()
+
+
+@functools.cache
+def _load_best() -> ctypes.CDLL | None:
     if os.environ.get("SPECSERVE_KERNELS", "1") == "0":
         return None
     for variant in candidate_variants():
@@ -179,10 +217,24 @@ def function_of(library: ctypes.CDLL, name: str, argtypes: list) -> Callable[...
     return fn
 
 
+def load_sources(source_dir: str | Path) -> ctypes.CDLL:
+    """The kernels of another folder of these sources (another checkout's ``specserve/kernels``),
+    built as the variant ``load()`` took (``OSError`` if they do not build or nothing was loaded)."""
+    loaded = _load_best()
+    if loaded is None:
+        raise OSError("no kernel variant is loaded here, so there is none to build other sources as")
+    level = _level_function(loaded)()
+    variant = next(v for v in VARIANTS if v.level == level)
+    source_dir = Path(source_dir)
+    if not (source_dir / f"{LIBRARY}.c").is_file():
+        raise OSError(f"{source_dir} has no {LIBRARY}.c")
+    return ctypes.CDLL(str(_build(source_dir / f"{LIBRARY}.c", variant)))
+
+
 def _build(source_path: Path, variant: Variant) -> Path:
-    """Compile once for these sources and flags; concurrent builders each write a
-    temporary file and rename it into place."""
-    source = b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]")))
+    """Compile once for these sources (the folder of ``source_path``) and flags; concurrent
+    builders each write a temporary file and rename it into place."""
+    source = b"".join(p.read_bytes() for p in sorted(source_path.parent.glob("*.[ch]")))
     compiler = os.environ.get("CC", "cc")
     flags = [*CFLAGS, *variant.flags]
     digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]

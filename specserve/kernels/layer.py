@@ -7,7 +7,6 @@ as ``skinny.LinearWeights`` (dense weights, maybe code blocks too).
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -368,18 +367,18 @@ def can_run_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and _norm_function() is not None)
 
 
-@functools.cache
+@build.cached_lookup
 def _norm_function():
     return build.function("rms_norm_rows", [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int, ctypes.c_int,
                                                                      ctypes.c_float, ctypes.c_int])
 
 
-@functools.cache
+@build.cached_lookup
 def _stack_function():
     return build.function("decoder_layers", _STACK_HEAD + [ctypes.c_void_p] * 2 + _STACK_TAIL)
 
 
-@functools.cache
+@build.cached_lookup
 def _model_function():
     return build.function("model_stack", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
@@ -387,7 +386,7 @@ def _model_function():
                           + _STACK_HEAD + _STACK_TAIL)
 
 
-@functools.cache
+@build.cached_lookup
 def _eagle3_function():
     return build.function("eagle3_head", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
@@ -397,7 +396,7 @@ def _eagle3_function():
                           + _CACHE_ARGUMENTS)
 
 
-@functools.cache
+@build.cached_lookup
 def _head_logits_function():
     return build.function("head_logits", [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
@@ -413,7 +412,7 @@ _STACK_TAIL = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] *
 _CACHE_ARGUMENTS = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
 
 
-@functools.cache
+@build.cached_lookup
 def _function():
     return build.function("decoder_layer", [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_void_p] * 3
                           + _CACHE_ARGUMENTS)

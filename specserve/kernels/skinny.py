@@ -9,7 +9,6 @@ blocks (``coded.py``), which it streams instead for inputs of up to ``coded_max_
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -81,6 +80,6 @@ def linear_forward(x: torch.Tensor, weights: LinearWeights, shape: tuple[int, in
 _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
 
 
-@functools.cache
+@build.cached_lookup
 def _function():
     return build.function("linear_forward", _ARGTYPES)
