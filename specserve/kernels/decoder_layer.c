@@ -122,10 +122,10 @@ static void write_cache(const void *qkv, long ld, long k_off, long v_off, void *
     }
 }
 
-/* The cache lines write_cache will write for rows [0, T), fetched for writing ahead of it: a
-   new token's K/V rows lie in lines nothing read lately, and each of write_cache's stores
-   otherwise waited for its line from memory (a decode step's 12 lines a layer, one after
-   another: ~2% of a decode step on 1 thread, AVX-512 Zen4) */
+/* The cache lines write_cache will write for rows [0, T), prefetched ahead of it: a new
+   token's K/V rows lie in lines nothing read lately, and each of write_cache's stores otherwise
+   waited for its line from memory (a decode step's 12 lines a layer, one after another: ~2% of
+   a decode step on 1 thread, AVX-512 Zen4) */
 static void prefetch_cache_rows(void *k_layer, void *v_layer, kv_strides kv, const int64_t *out_loc, int T, int nkv,
                                 int hd, int kv_bf16) {
     const int bytes = hd * (kv_bf16 ? 2 : 4);
@@ -133,8 +133,8 @@ static void prefetch_cache_rows(void *k_layer, void *v_layer, kv_strides kv, con
         for (int j = 0; j < nkv; j++) {
             const long at = out_loc[t] * kv.slot + j * kv.head;
             for (int off = 0; off < bytes; off += 64) {
-                _m_prefetchw((char *)k_layer + at + off);
-                _m_prefetchw((char *)v_layer + at + off);
+                _mm_prefetch((const char *)k_layer + at + off, _MM_HINT_T0);
+                _mm_prefetch((const char *)v_layer + at + off, _MM_HINT_T0);
             }
         }
 }
