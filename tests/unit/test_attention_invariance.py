@@ -171,6 +171,31 @@ def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone(dtype, n):
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_short_verify_shared_by_head_and_row_equals_its_rows_decoded_alone(dtype, n):
+    """4 or 8 chained rows of one request over 200 keys on 2 threads: the kernel shares them out as
+    (KV head, row) pairs, each thread whole heads and half of one; each row must still get the bits
+    of its plain decode step, and the verify those it gets on one thread."""
+    cache = _cache(dtype)
+    prefix = 200
+    q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
+    k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
+    slots = list(range(100, 100 + prefix + n))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        verify = _attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:])
+        for i in range(n):
+            alone = _attend(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], [prefix + i], [1],
+                            [slots[:prefix + i + 1]], [slots[prefix + i]])
+            assert torch.equal(alone, verify[i:i + 1]), f"row {i} differs from its decode alone"
+        torch.set_num_threads(1)
+        assert torch.equal(_attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:]), verify)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("head_dim, group, n", [(64, 2, 5), (128, 3, 8), (128, 2, 7)])
 def test_a_verify_scored_with_keys_in_lanes_equals_its_rows_decoded_alone(head_dim, group, n):
     """A verify on a bfloat16 cache whose shared keys 8 or more (row, query head) pairs score (on
