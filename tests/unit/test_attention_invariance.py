@@ -147,38 +147,13 @@ def test_thread_count_does_not_change_bits(prefix, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [2, 8])
-def test_a_verify_on_a_long_context_equals_its_rows_decoded_alone(dtype, n):
-    """2 or 8 chained rows over 2,100 keys: the kernel shares such a verify out by KV head and key
-    split (2 rows on 2 threads as one segment of tasks); each row must still get the bits of its
-    plain decode step."""
+@pytest.mark.parametrize("prefix, n", [(2100, 2), (2100, 8), (200, 4), (200, 8)])
+def test_a_verify_on_two_threads_equals_its_rows_decoded_alone(dtype, prefix, n):
+    """Chained rows of one request on 2 threads. Over 2,100 keys the kernel shares a verify out by
+    KV head and key split (2 rows as one segment of tasks); over 200 keys, 4 or 8 rows as (KV head,
+    row) pairs, each thread whole heads and half of one. Each row must still get the bits of its
+    plain decode step, and the verify those it gets on one thread."""
     cache = _cache(dtype)
-    prefix = 2100
-    q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
-    k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
-    slots = list(range(100, 100 + prefix + n))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)            # the tests' one thread would take the rows as one segment
-        verify = _attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:])
-        for i in range(n):
-            alone = _attend(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], [prefix + i], [1],
-                            [slots[:prefix + i + 1]], [slots[prefix + i]])
-            assert torch.equal(alone, verify[i:i + 1]), f"row {i} differs from its decode alone"
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(_attend(cache, q, k, v, [prefix], [n], [slots], slots[prefix:]), verify)
-
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [4, 8])
-def test_a_short_verify_shared_by_head_and_row_equals_its_rows_decoded_alone(dtype, n):
-    """4 or 8 chained rows of one request over 200 keys on 2 threads: the kernel shares them out as
-    (KV head, row) pairs, each thread whole heads and half of one; each row must still get the bits
-    of its plain decode step, and the verify those it gets on one thread."""
-    cache = _cache(dtype)
-    prefix = 200
     q = torch.randn(n, NUM_KV * GROUP, HEAD_DIM)
     k, v = torch.randn(n, NUM_KV, HEAD_DIM), torch.randn(n, NUM_KV, HEAD_DIM)
     slots = list(range(100, 100 + prefix + n))
