@@ -138,10 +138,13 @@ def variant_name() -> str:
     """The ISA variant of the loaded kernels ("avx512_amx", "avx512_bf16", "avx512_vnni", "avx_vnni",
     "avx2"), or "none"."""
     library = load()
-    if library is None:
-        return "none"
+    return "none" if library is None else _variant_of(library).name
+
+
+def _variant_of(library: ctypes.CDLL) -> Variant:
+    """The variant ``library`` was built as (its ``int_kernel_level``)."""
     level = _level_function(library)()
-    return next(v.name for v in VARIANTS if v.level == level)
+    return next(v for v in VARIANTS if v.level == level)
 
 
 def candidate_variants() -> list[Variant]:
@@ -223,12 +226,10 @@ def load_sources(source_dir: str | Path) -> ctypes.CDLL:
     loaded = _load_best()
     if loaded is None:
         raise OSError("no kernel variant is loaded here, so there is none to build other sources as")
-    level = _level_function(loaded)()
-    variant = next(v for v in VARIANTS if v.level == level)
     source_dir = Path(source_dir)
     if not (source_dir / f"{LIBRARY}.c").is_file():
         raise OSError(f"{source_dir} has no {LIBRARY}.c")
-    return ctypes.CDLL(str(_build(source_dir / f"{LIBRARY}.c", variant)))
+    return ctypes.CDLL(str(_build(source_dir / f"{LIBRARY}.c", _variant_of(loaded))))
 
 
 def _build(source_path: Path, variant: Variant) -> Path:

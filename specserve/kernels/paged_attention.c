@@ -1109,12 +1109,12 @@ static void merge_rows(const att_call *c, int t0, int rows, int h, const float *
     for (int r = 0; r < rows; r++) merge_splits(c, t0 + r, h, part + r * pf, split_stride, num_splits, out);
 }
 
-/* rows t0 .. t0 + rows - 1 (one request) against every KV head, split by split (the heads of a
-   split in turn), merged. part: rows * num_kv_heads * max_splits partials of scratch. */
-static void attend_segment(const att_call *c, int t0, int rows, void *out, row_scratch *s, float *part,
-                           int max_splits) {
+/* rows t0 .. t0 + rows - 1 (one request) against KV heads [h0, h1), split by split (the heads of
+   a split in turn), merged. part: rows * (h1 - h0) * max_splits partials of scratch. */
+static void attend_segment(const att_call *c, int t0, int rows, int h0, int h1, void *out, row_scratch *s,
+                           float *part, int max_splits) {
     const int shared = gather_rows(c, t0, rows, s);
-    const long pf = partial_floats(c->group, c->head_dim), split_stride = (long)rows * c->num_kv_heads * pf;
+    const long pf = partial_floats(c->group, c->head_dim), split_stride = (long)rows * (h1 - h0) * pf;
     int splits = 0;
     for (int r = 0; r < rows; r++) {
         const int n = (s[r].num_keys + KEY_SPLIT - 1) / KEY_SPLIT;
@@ -1123,28 +1123,10 @@ static void attend_segment(const att_call *c, int t0, int rows, void *out, row_s
     splits = splits < 1 ? 1 : splits > max_splits ? max_splits : splits;
     load_queries(c, t0, rows, s);
     for (int split = 0; split < splits; split++)
-        for (int h = 0; h < c->num_kv_heads; h++)
-            attend_split(c, rows, h, split, shared, s, part + split * split_stride + (long)h * rows * pf, pf);
-    for (int h = 0; h < c->num_kv_heads; h++)
-        merge_rows(c, t0, rows, h, part + (long)h * rows * pf, split_stride, splits, out);
-}
-
-/* rows t0 .. t0 + rows - 1 (one request) against KV head h alone, split by split, then merged.
-   part: rows * max_splits partials of scratch. */
-static void attend_head_rows(const att_call *c, int t0, int rows, int h, void *out, row_scratch *s, float *part,
-                             int max_splits) {
-    const int shared = gather_rows(c, t0, rows, s);
-    const long pf = partial_floats(c->group, c->head_dim), split_stride = (long)rows * pf;
-    int splits = 1;
-    for (int r = 0; r < rows; r++) {
-        const int n = (s[r].num_keys + KEY_SPLIT - 1) / KEY_SPLIT;
-        splits = n > splits ? n : splits;
-    }
-    splits = splits > max_splits ? max_splits : splits;
-    load_queries(c, t0, rows, s);
-    for (int split = 0; split < splits; split++)
-        attend_split(c, rows, h, split, shared, s, part + split * split_stride, pf);
-    merge_rows(c, t0, rows, h, part, split_stride, splits, out);
+        for (int h = h0; h < h1; h++)
+            attend_split(c, rows, h, split, shared, s, part + split * split_stride + (long)(h - h0) * rows * pf, pf);
+    for (int h = h0; h < h1; h++)
+        merge_rows(c, t0, rows, h, part + (long)(h - h0) * rows * pf, split_stride, splits, out);
 }
 
 /* The T rows of one request (at most ROW_BLOCK) shared out as (KV head, row) pairs, head by head:
@@ -1162,7 +1144,7 @@ static void attend_by_head_rows(const att_call *c, int T, int max_splits, void *
     for (long p = p0; p < p1;) {
         const int h = (int)(p / T), r0 = (int)(p % T);
         const int r1 = (long)(h + 1) * T <= p1 ? T : (int)(p1 - (long)h * T);
-        attend_head_rows(c, r0, r1 - r0, h, out, scratch, part, max_splits);
+        attend_segment(c, r0, r1 - r0, h, h + 1, out, scratch, part, max_splits);
         p += r1 - r0;
     }
     free(part);
@@ -1192,10 +1174,12 @@ static int count_segments(const int32_t *row_batch, int T, int block, int *start
    once, for every row of the verify, where a task per segment reads all of them once a segment:
    after 512 or 1,024 tokens, attention in 0.80-0.89x the time at W=8 and 0.86-0.92x at W=4 on a
    2-thread Zen3, interleaved runs); otherwise a task per segment, sized to share the rows out (a
-   verify on a short context: 3 KV heads of one split do not split evenly over 2 threads).
+   verify on a short context: 3 KV heads of one split do not split evenly over 2 threads), and
+   where those segments are one request's at most ROW_BLOCK rows, as (KV head, row) pairs instead
+   (by_head_rows: attend_by_head_rows).
    segment_start (or NULL): the segments' first rows, as count_segments gives them. */
 typedef struct {
-    int by_split, block, num_segments;
+    int by_split, by_head_rows, block, num_segments;
 } att_plan;
 
 static att_plan plan_attention(const int32_t *row_batch, int T, int L, int num_kv_heads, int n, int *segment_start) {
@@ -1207,6 +1191,7 @@ static att_plan plan_attention(const int32_t *row_batch, int T, int L, int num_k
     plan.block = T < 2 * n ? (segments_of_block == 1 ? T : 1)
                            : plan.by_split || per_thread > ROW_BLOCK ? ROW_BLOCK : per_thread;
     plan.num_segments = count_segments(row_batch, T, plan.block, segment_start);
+    plan.by_head_rows = !plan.by_split && plan.num_segments > 1 && segments_of_block == 1 && T <= ROW_BLOCK;
     return plan;
 }
 
@@ -1306,8 +1291,8 @@ static void attend_by_segment(const att_call *c, const int *segment_start, int n
            which thread takes it */
         #pragma omp for schedule(dynamic, 1)
         for (long seg = 0; seg < num_segments; seg++)
-            attend_segment(c, segment_start[seg], segment_start[seg + 1] - segment_start[seg], out, scratch, part,
-                           max_splits);
+            attend_segment(c, segment_start[seg], segment_start[seg + 1] - segment_start[seg], 0, c->num_kv_heads,
+                           out, scratch, part, max_splits);
         free(part);
         for (int r = 0; r < block; r++) scratch_free(&scratch[r]);
     }
@@ -1341,7 +1326,7 @@ static int attention_rows_team(const void *q, long q_ld, const void *k_layer, co
     const att_plan plan = plan_attention(row_batch, T, L, num_kv_heads, omp_get_num_threads(), segment_start);
     if (plan.by_split)
         attend_by_split(&c, segment_start, plan.num_segments, plan.block, max_splits, out, prepared);
-    else if (plan.num_segments > 1 && T <= ROW_BLOCK && count_segments(row_batch, T, ROW_BLOCK, NULL) == 1)
+    else if (plan.by_head_rows)
         attend_by_head_rows(&c, T, max_splits, out);
     else
         attend_by_segment(&c, segment_start, plan.num_segments, plan.block, max_splits, out);
