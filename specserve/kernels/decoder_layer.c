@@ -270,13 +270,14 @@ static int layer_buffers_alloc(layer_buffers *b, const int *dims, int T, int dty
    arguments; one thread outside a region): the row-wise steps by rows (team_rows), the linears
    and attention shared out, a barrier after each step; for a few rows (few_rows_apiece) each
    thread norms its own copy of a linear's input instead, h updated on the master once every
-   thread has read it. Returns the same status in every thread. */
+   thread has read it. after: the next layer's qkv linear (H wide inputs), or NULL; each linear's
+   prefetches run on into the team's next one. Returns the same status in every thread. */
 static int decoder_layer_team(void *h, const void *x_in, const void *const *norms, const linear_weights *linears,
                               const float *qkv_bias, float eps, const int *dims, const void *cos, const void *sin,
                               void *k_layer, void *v_layer, kv_strides kv, const int64_t *out_loc,
                               const int64_t *kv_indices, const uint8_t *mask, const int32_t *row_batch,
                               const int32_t *row_query, int T, int L, int Q, int dtype, int kv_dtype,
-                              layer_buffers *buf) {
+                              layer_buffers *buf, const linear_weights *after) {
     const int H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], I = dims[4], in_width = dims[5];
     const int is_bf16 = dtype == DTYPE_BF16, esize = is_bf16 ? 2 : 4;
     const int q_width = nh * hd, kv_width = nkv * hd, qkv_width = q_width + 2 * kv_width;
@@ -302,7 +303,7 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     #pragma omp master
     t = profile_mark(PROF_NORM, t);
     status |= linear_forward_team(&linears[0], x_in ? x_in : xo, qkv_bias, qkv, T, qkv_width, in_width, dtype, in,
-                                  own);
+                                  own, &linears[1], H, q_width);
     #pragma omp master
     {
         t = profile_mark(PROF_QKV, t);
@@ -324,7 +325,7 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
                                   buf->attention_ready ? &buf->attention : NULL);
     #pragma omp master
     t = profile_mark(PROF_ATTENTION, t);
-    status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, in, own);
+    status |= linear_forward_team(&linears[1], attn, NULL, y, T, H, q_width, dtype, in, own, &linears[2], 2 * I, H);
     #pragma omp master
     t = profile_mark(PROF_O, t);
     if (own) {                        /* norm(h + y) from a copy: h is read by every thread here */
@@ -339,7 +340,7 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     }
     #pragma omp master
     t = profile_mark(PROF_NORM, t);
-    status |= linear_forward_team(&linears[2], xo, NULL, gate_up, T, 2 * I, H, dtype, in, own);
+    status |= linear_forward_team(&linears[2], xo, NULL, gate_up, T, 2 * I, H, dtype, in, own, &linears[3], H, I);
     #pragma omp master
     {
         t = profile_mark(PROF_GATE_UP, t);
@@ -350,7 +351,7 @@ static int decoder_layer_team(void *h, const void *x_in, const void *const *norm
     silu_mul_team(gate_up, act, T, I, is_bf16);
     #pragma omp master
     t = profile_mark(PROF_SILU, t);
-    status |= linear_forward_team(&linears[3], act, NULL, y, T, H, I, dtype, in, own);
+    status |= linear_forward_team(&linears[3], act, NULL, y, T, H, I, dtype, in, own, after, qkv_width, H);
     #pragma omp master
     t = profile_mark(PROF_DOWN, t);
     if (r1 > r0) add_into((char *)h + r0 * row_bytes, y + r0 * row_bytes, (long)(r1 - r0) * H, is_bf16);
@@ -380,7 +381,7 @@ int decoder_layer(void *h, const void *x_in, const void *const *norms, const lin
     {
         const int s = decoder_layer_team(h, x_in, norms, linears, qkv_bias, eps, dims, cos, sin, k_layer, v_layer, kv,
                                          out_loc, kv_indices, mask, row_batch, row_query, T, L, Q, dtype, kv_dtype,
-                                         &buf);
+                                         &buf, NULL);
         #pragma omp master
         status = s;
     }
@@ -418,7 +419,8 @@ int decoder_layers(void *h, const void *const *norms, const linear_weights *line
                     memcpy((char *)aux_out[l] + t * aux_ld * esize, (const char *)h + t * row_bytes, row_bytes);
             s = decoder_layer_team(h, NULL, norms + 2 * l, linears + 4 * l, qkv_biases[l], eps, dims, cos, sin,
                                    k_cache + l * layer_bytes, v_cache + l * layer_bytes, kv, out_loc, kv_indices, mask,
-                                   row_batch, row_query, T, L, Q, dtype, kv_dtype, &buf);
+                                   row_batch, row_query, T, L, Q, dtype, kv_dtype, &buf,
+                                   l + 1 < num_layers ? linears + 4 * (l + 1) : NULL);
         }
         #pragma omp master
         status = s;

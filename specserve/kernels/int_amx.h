@@ -175,7 +175,7 @@ static inline __attribute__((always_inline)) void iq_amx_whole(const uint8_t *pa
     for (int b = 0; b < nb; b += 2) {
         const int pair = b + 1 < nb;
         const uint8_t *p = panel + (long)b * rec;
-        for (int off = 0; off < 2 * rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
+        for (int off = 0; off < 2 * rec; off += 64) _mm_prefetch(iq_ahead(a, p, IQ_PREFETCH_BYTES + off), IQ_PREFETCH_HINT);
         const long i0 = iq_next_block(a, first, b), i1 = iq_next_block(a, first, b + 1);
         IQ_AMX_LOAD(1, a->q + i0 * IQ_K, IQ_K);
         IQ_AMX_LOAD(2, iq_amx_codes(p + iq_scale_bytes(fmt), fmt, codes[0]), 64);
@@ -209,7 +209,7 @@ static inline __attribute__((always_inline)) void iq_amx_halves(const uint8_t *p
     _Alignas(64) int32_t sums[2][16][16];
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = panel + (long)b * rec;
-        for (int off = 0; off < rec; off += 64) _mm_prefetch((const char *)p + IQ_PREFETCH_BYTES + off, IQ_PREFETCH_HINT);
+        for (int off = 0; off < rec; off += 64) _mm_prefetch(iq_ahead(a, p, IQ_PREFETCH_BYTES + off), IQ_PREFETCH_HINT);
         const long i0 = iq_next_block(a, first, b);
         const uint8_t *b_rows = iq_amx_codes(p + iq_scale_bytes(fmt), fmt, codes);
         IQ_AMX_LOAD(1, a->q + i0 * IQ_K, IQ_K);                 /* weights 0..15 */

@@ -153,11 +153,16 @@ static int run_linear_team(const void *x, const void *w, int format, const float
 /* the integer kernel where the weights have panels; else the coded weights for up to
    coded_max_rows rows, else the dense ones (the same bits); by the current team's threads
    (scratch, own_scratch: the integer kernel's input buffers for these rows, as int_linear_team
-   takes them) */
+   takes them; next: the linear the team runs after this one, next_N x next_K, or NULL) */
 static int linear_forward_team(const linear_weights *lw, const void *x, const float *bias, void *y,
-                               int M, int N, int K, int dtype, const iq_input *scratch, int own_scratch) {
-    if (lw->int_panels && lw->int_format)
-        return int_linear_team(lw->int_panels, lw->int_format, x, bias, y, M, N, K, dtype, scratch, own_scratch);
+                               int M, int N, int K, int dtype, const iq_input *scratch, int own_scratch,
+                               const linear_weights *next, int next_N, int next_K) {
+    if (lw->int_panels && lw->int_format) {
+        const iq_next_linear after = {next && next->int_format ? next->int_panels : NULL,
+                                      next ? next->int_format : 0, next_N, next_K};
+        return int_linear_team(lw->int_panels, lw->int_format, x, bias, y, M, N, K, dtype, scratch, own_scratch,
+                               &after);
+    }
     if (lw->coded && lw->coded_format && M <= lw->coded_max_rows)
         return run_linear_team(x, lw->coded, lw->coded_format, bias, y, M, N, K, dtype);
     return run_linear_team(x, lw->dense, CODED_NONE, bias, y, M, N, K, dtype);
@@ -169,7 +174,7 @@ int linear_forward(const linear_weights *lw, const void *x, const float *bias, v
     int status = 0;
     #pragma omp parallel num_threads(nthreads)
     {
-        const int s = linear_forward_team(lw, x, bias, y, M, N, K, dtype, NULL, 0);
+        const int s = linear_forward_team(lw, x, bias, y, M, N, K, dtype, NULL, 0, NULL, 0, 0);
         #pragma omp master
         status = s;
     }
