@@ -51,6 +51,13 @@ static inline void set_elem(void *p, long i, float v, int is_bf16) {
 /* v rounded to the storage dtype and back (what storing then loading gives) */
 static inline float round_to(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+/* the calling thread's share [*first, *end) of n items split over its team: contiguous, in thread
+   order, sizes differing by at most one; a thread can tell its share of a later split too */
+static inline void team_share(long n, long *first, long *end) {
+    const long threads = omp_get_num_threads(), id = omp_get_thread_num();
+    *first = n * id / threads, *end = n * (id + 1) / threads;
+}
+
 /* 8 lanes rounded to bfloat16 and back, round to nearest even (finite values only) */
 static inline __m256 round_bf16x8(__m256 v) {
     __m256i b = _mm256_castps_si256(v);

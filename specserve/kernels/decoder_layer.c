@@ -208,7 +208,9 @@ static void team_rows(int T, int *t0, int *t1) {
         *t0 = 0, *t1 = id == 0 ? T : 0;
         return;
     }
-    *t0 = (int)((long)T * id / n), *t1 = (int)((long)T * (id + 1) / n);
+    long first, end;
+    team_share(T, &first, &end);
+    *t0 = (int)first, *t1 = (int)end;
 }
 
 /* a layer's intermediate rows, shared by the threads of its team */

@@ -693,14 +693,6 @@ static void iq_panel_rows(const uint8_t *panel, int fmt, const iq_input *a, long
     }
 }
 
-/* this thread's share [*first, *end) of n items: contiguous, the first n % threads threads one more
-   (OpenMP's static schedule), so a thread can tell its share of a linear before it runs */
-static void iq_team_share(long n, long *first, long *end) {
-    const long threads = omp_get_num_threads(), id = omp_get_thread_num(), q = n / threads, extra = n % threads;
-    *first = id * q + (id < extra ? id : extra);
-    *end = *first + q + (id < extra);
-}
-
 /* y = x @ W^T (+ bias) for W as panels (N rounded up to 16 rows, zero rows past N), by the
    threads of the current team: every thread of a parallel region calls it (decoder_layers runs
    a model's layers in one region), or one thread outside any. scratch: buffers for the quantized
@@ -742,8 +734,9 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
         #pragma omp barrier
     } else {
         double t = profile_clock();
-        const int n = omp_get_num_threads(), id = omp_get_thread_num();     /* a contiguous share of blocks each */
-        iq_quantize_range(&a, x, M, (int)((long)a.nb * id / n), (int)((long)a.nb * (id + 1) / n), is_bf16, fmt);
+        long b0, b1;                        /* a contiguous share of blocks each */
+        team_share(a.nb, &b0, &b1);
+        iq_quantize_range(&a, x, M, (int)b0, (int)b1, is_bf16, fmt);
         #pragma omp barrier
         #pragma omp master
         profile_mark(PROF_QUANTIZE, t);    /* also inside its linear's time */
@@ -753,11 +746,11 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
        other the rest (79 rows: 64 against 15) and streamed the weights once per chunk */
     iq_amx_state amx = {0, 0};
     long first, end;
-    iq_team_share(items, &first, &end);
+    team_share(items, &first, &end);
     a.share_end = (const char *)panels + end * panel_bytes, a.next_share = NULL;
     if (num_chunks == 1 && next && next->panels && end > first) {     /* items are panels */
         long next_first, next_end;
-        iq_team_share((next->N + IQ_ROWS - 1) / IQ_ROWS, &next_first, &next_end);
+        team_share((next->N + IQ_ROWS - 1) / IQ_ROWS, &next_first, &next_end);
         if (next_end > next_first)
             a.next_share = (const char *)next->panels + next_first * iq_panel_bytes(next->fmt, next->K / IQ_K);
     }

@@ -1136,8 +1136,8 @@ static void attend_segment(const att_call *c, int t0, int rows, int h0, int h1, 
    threads of an AVX-512 Zen4, 3 KV heads: 0.974x-0.978x the forward's time, of 8 rows
    0.987x-0.997x (`bench kernel-ab`, two runs of 60 rounds). */
 static void attend_by_head_rows(const att_call *c, int T, int max_splits, void *out) {
-    const int n = omp_get_num_threads(), id = omp_get_thread_num();
-    const long pairs = (long)c->num_kv_heads * T, p0 = pairs * id / n, p1 = pairs * (id + 1) / n;
+    long p0, p1;
+    team_share((long)c->num_kv_heads * T, &p0, &p1);
     row_scratch scratch[ROW_BLOCK];
     for (int r = 0; r < T; r++) scratch_alloc(&scratch[r], c->L, c->num_heads, c->group, c->hdq);
     float *part = (float *)malloc((size_t)T * max_splits * partial_floats(c->group, c->head_dim) * sizeof(float));

@@ -170,9 +170,9 @@ def test_kernel_matches_reference_bits(kind, num_out, num_in):
 @needs_kernel
 @pytest.mark.parametrize("num_out", [40, 80, 112])
 def test_threads_sharing_the_panels_unevenly_give_one_threads_bits(num_out):
-    """3, 5 or 7 panels of 16 weight rows shared by 2 or 3 threads (the first threads one panel
-    more), for a decode's row, a verify's 8 and a prefill's 70 rows: each output row is what one
-    thread computes, every panel's output written once."""
+    """3, 5 or 7 panels of 16 weight rows shared by 2 or 3 threads (shares one panel apart), for a
+    decode's row, a verify's 8 and a prefill's 70 rows: each output row is what one thread
+    computes, every panel's output written once."""
     codes = _codes(Q.Q4_1, num_out, 96, seed=num_out)
     panels, fmt = _panels(codes, Q.Q4_1)
     x = _inputs(70, 96, seed=13)
