@@ -907,16 +907,24 @@ static void scratch_alloc(row_scratch *s, int L, int num_heads, int group, int h
 
 static void scratch_free(row_scratch *s) { free(s->scores), free(s->slots), free(s->qf); }
 
+/* how many leading entries of a and b (m of them at most) are equal; 4 compared at once */
+static int common_prefix(const int64_t *a, const int64_t *b, int m) {
+    int i = 0;
+    for (; i + 4 <= m; i += 4) {
+        const __m256i eq = _mm256_cmpeq_epi64(_mm256_loadu_si256((const __m256i *)(a + i)),
+                                              _mm256_loadu_si256((const __m256i *)(b + i)));
+        const int equal = _mm256_movemask_pd(_mm256_castsi256_pd(eq));
+        if (equal != 0xf) return i + __builtin_ctz(~equal);
+    }
+    while (i < m && a[i] == b[i]) i++;
+    return i;
+}
+
 /* how many leading keys rows 1 .. rows - 1 share with row 0 (same slots, same order), in
    whole score tiles */
 static int shared_keys(const row_scratch *s, int rows) {
     int n = s[0].num_keys;
-    for (int r = 1; r < rows; r++) {
-        int i = 0;
-        const int m = s[r].num_keys < n ? s[r].num_keys : n;
-        while (i < m && s[r].slots[i] == s[0].slots[i]) i++;
-        n = i;
-    }
+    for (int r = 1; r < rows; r++) n = common_prefix(s[r].slots, s[0].slots, s[r].num_keys < n ? s[r].num_keys : n);
     return n / ATT_LANES * ATT_LANES;
 }
 
@@ -949,18 +957,19 @@ static int gather_rows(const att_call *c, int t0, int rows, row_scratch *s) {
     return rows > 1 ? shared_keys(s, rows) : 0;
 }
 
-/* the scaled query heads of rows t0 .. into s[r].qf, head i at i * hdq, zero padded: float32
+/* the scaled query heads of KV heads [h0, h1) (those a segment's tasks read) of rows t0 .. into
+   s[r].qf, head i at i * hdq, zero padded: float32
    for a float32 cache; for a bfloat16 one rounded to bfloat16 (as f32_to_bf16), as bfloat16
    where vdpbf16ps reads them, pair-split float32 elsewhere (the comment on PAIR_DIMS). By
    vectors (element by element, attention at 8 rows took 2.16-2.28 ms a forward against
    2.13-2.21, 1 thread, AVX-512 Zen4). */
-static void load_queries(const att_call *c, int t0, int rows, row_scratch *s) {
+static void load_queries(const att_call *c, int t0, int rows, int h0, int h1, row_scratch *s) {
     const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)c->head_dim));
     const int esize = c->q_bf16 ? 2 : 4, head_dim = c->head_dim;
     uint16_t rounded[MAX_HEAD_DIM];
     for (int r = 0; r < rows; r++) {
         const char *row = (const char *)c->q + (long)(t0 + r) * c->q_ld * esize;
-        for (int i = 0; i < c->num_heads; i++) {
+        for (int i = h0 * c->group; i < h1 * c->group; i++) {
             const char *src = row + (long)i * head_dim * esize;
             float *head = s[r].qf + (long)i * c->hdq;
             if (!c->is_bf16) {
@@ -1121,7 +1130,7 @@ static void attend_segment(const att_call *c, int t0, int rows, int h0, int h1, 
         splits = n > splits ? n : splits;
     }
     splits = splits < 1 ? 1 : splits > max_splits ? max_splits : splits;
-    load_queries(c, t0, rows, s);
+    load_queries(c, t0, rows, h0, h1, s);
     for (int split = 0; split < splits; split++)
         for (int h = h0; h < h1; h++)
             attend_split(c, rows, h, split, shared, s, part + split * split_stride + (long)(h - h0) * rows * pf, pf);
@@ -1259,7 +1268,7 @@ static void attend_by_split(const att_call *c, const int *segment_start, int num
             const int t0 = segment_start[seg], rows = segment_start[seg + 1] - t0;
             if (seg != loaded) {
                 shared = gather_rows(c, t0, rows, scratch);
-                load_queries(c, t0, rows, scratch);
+                load_queries(c, t0, rows, 0, c->num_kv_heads, scratch);
                 loaded = seg;
             }
             float *pair_part = part + sh * max_splits * per_split;
