@@ -957,12 +957,11 @@ static int gather_rows(const att_call *c, int t0, int rows, row_scratch *s) {
     return rows > 1 ? shared_keys(s, rows) : 0;
 }
 
-/* the scaled query heads of KV heads [h0, h1) (those a segment's tasks read) of rows t0 .. into
-   s[r].qf, head i at i * hdq, zero padded: float32
-   for a float32 cache; for a bfloat16 one rounded to bfloat16 (as f32_to_bf16), as bfloat16
-   where vdpbf16ps reads them, pair-split float32 elsewhere (the comment on PAIR_DIMS). By
-   vectors (element by element, attention at 8 rows took 2.16-2.28 ms a forward against
-   2.13-2.21, 1 thread, AVX-512 Zen4). */
+/* the scaled query heads of KV heads [h0, h1) (the ones a segment's tasks read) of rows t0 ..
+   into s[r].qf, head i at i * hdq, zero padded: float32 for a float32 cache; for a bfloat16 one
+   rounded to bfloat16 (as f32_to_bf16), as bfloat16 where vdpbf16ps reads them, pair-split
+   float32 elsewhere (the comment on PAIR_DIMS). By vectors (element by element, attention at 8
+   rows took 2.16-2.28 ms a forward against 2.13-2.21, 1 thread, AVX-512 Zen4). */
 static void load_queries(const att_call *c, int t0, int rows, int h0, int h1, row_scratch *s) {
     const __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)c->head_dim));
     const int esize = c->q_bf16 ? 2 : 4, head_dim = c->head_dim;
