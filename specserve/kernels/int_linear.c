@@ -106,6 +106,8 @@ static inline int iq_record_bytes(int fmt) {
 static inline long iq_panel_bytes(int fmt, int nb) {
     return (long)nb * iq_record_bytes(fmt) + (fmt == IQ_K4 ? (long)(nb / 8) * 64 : 0);
 }
+/* panels of IQ_ROWS weight rows holding N rows (the last one zero padded) */
+static inline long iq_num_panels(long N) { return (N + IQ_ROWS - 1) / IQ_ROWS; }
 
 /* The input rows quantized: q [M, K] int8; per row and block (index m * nb + b): the scale d,
    d * sum(q) (for the min term), the int32 start value of the block's integer sum and that of
@@ -705,7 +707,7 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
                            const iq_next_linear *next) {
     if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_NUM_FORMATS || M < 1 || N < 1) return -1;
     if (fmt == IQ_K4 && K % 256) return -1;
-    const int is_bf16 = dtype == DTYPE_BF16, num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
+    const int is_bf16 = dtype == DTYPE_BF16, num_panels = (int)iq_num_panels(N);
     const long panel_bytes = iq_panel_bytes(fmt, K / IQ_K);
     const long num_chunks = (M + IQ_CHUNK_ROWS - 1) / IQ_CHUNK_ROWS, items = num_chunks * num_panels;
     const int quantize_inside = M >= 4 * omp_get_num_threads();    /* fewer rows: one thread quantizes them */
@@ -750,7 +752,7 @@ static int int_linear_team(const uint8_t *panels, int fmt, const void *x, const 
     a.share_end = (const char *)panels + end * panel_bytes, a.next_share = NULL;
     if (num_chunks == 1 && next && next->panels && end > first) {     /* items are panels */
         long next_first, next_end;
-        team_share((next->N + IQ_ROWS - 1) / IQ_ROWS, &next_first, &next_end);
+        team_share(iq_num_panels(next->N), &next_first, &next_end);
         if (next_end > next_first)
             a.next_share = (const char *)next->panels + next_first * iq_panel_bytes(next->fmt, next->K / IQ_K);
     }
@@ -796,7 +798,7 @@ int int_pack_codes(const int8_t *codes, long N, long K, int fmt, int offset, uin
     if (K % IQ_K || fmt < IQ_Q4_0 || fmt > IQ_NUM_FORMATS) return -1;
     const int nb = (int)(K / IQ_K), rec = iq_record_bytes(fmt), head = iq_scale_bytes(fmt);
     const int nibbles = iq_is_nibble(fmt), planes = iq_bit_planes(fmt);
-    const long num_panels = (N + IQ_ROWS - 1) / IQ_ROWS;
+    const long num_panels = iq_num_panels(N);
     #pragma omp parallel for schedule(static)
     for (long p = 0; p < num_panels; p++)
         for (int b = 0; b < nb; b++) {
